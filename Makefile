@@ -1,0 +1,25 @@
+# The README's two commands: `make bench` (set up + run the benchmark) and `make test` (set up + tests).
+PY ?= python3
+
+.PHONY: setup setup-test test bench lint
+
+setup:
+	$(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q 'torch>=2.11'
+	$(PY) -m pip install -q -e '.[bench]'
+
+# vLLM 0.32.0 keeps the CPU torch 2.13.0; its torchvision/torchaudio/torchcodec are CUDA builds
+# that break `import transformers` on a CPU machine, so they go.
+setup-test:
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q vllm==0.32.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q -e '.[test,bench,dev]'
+
+lint:
+	$(PY) -m ruff check .
+
+test: setup-test lint
+	$(PY) -m pytest
+
+bench: setup
+	kvconnector bench

@@ -1,0 +1,34 @@
+"""The `kvconnector` command: each subcommand lives with the part it drives and registers itself."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
+_SUBCOMMANDS = {
+    "backends": "kvconnector.registry",
+    "store": "transfer.remote.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvconnector", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in _SUBCOMMANDS.values():
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as exc:  # a part not built yet, or an optional dependency
+            if not exc.name or not module.startswith(exc.name.split(".")[0]):
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""transfer: the host block pool, block index, copy backends and remote store."""
