@@ -219,24 +219,34 @@ class _HostMemory:
 
     def pin(self, chunk: int) -> None:
         cudart = torch.cuda.cudart()
-        base = self.tensor.data_ptr()
-        ranges = [(off, min(chunk, self.size - off)) for off in range(0, self.size, chunk)]
+        # Ranges cover whole blocks of the data; the first also takes the header page, so the
+        # storage's base (what torch's is_pinned checks) is registered too.
+        base = self.header.data_ptr()
+        head = self.header.numel()
+        ends = [*range(head + chunk, head + self.size, chunk), head + self.size]
+        ranges = [(start, end - start) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
 
-        def register(r: tuple[int, int]) -> None:
-            err = cudart.cudaHostRegister(base + r[0], r[1], 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister({r[1]} B at +{r[0]}) failed: {err}")
+        def register(r: tuple[int, int]) -> int:
+            return int(cudart.cudaHostRegister(base + r[0], r[1], 0))
 
         with ThreadPoolExecutor(max_workers=min(16, len(ranges))) as pool:
-            list(pool.map(register, ranges))
-        self.pinned_ranges = ranges
+            errors = list(pool.map(register, ranges))
+        self.pinned_ranges = [r for r, err in zip(ranges, errors, strict=True) if err == 0]
+        if any(errors):
+            self.unpin()
+            failed = next(r for r, err in zip(ranges, errors, strict=True) if err)
+            raise RuntimeError(f"cudaHostRegister of {failed[1]} B failed (error "
+                               f"{max(errors)}); nothing is left pinned")
+
+    def unpin(self) -> None:
+        cudart = torch.cuda.cudart()
+        for off, _ in self.pinned_ranges:
+            cudart.cudaHostUnregister(self.header.data_ptr() + off)
+        self.pinned_ranges = []
 
     def release(self) -> None:
         if self.pinned_ranges:
-            cudart = torch.cuda.cudart()
-            for off, _ in self.pinned_ranges:
-                cudart.cudaHostUnregister(self.tensor.data_ptr() + off)
-            self.pinned_ranges = []
+            self.unpin()
         del self.tensor, self.header
         # Views still alive elsewhere keep the mapping; it goes with the last of them.
         with contextlib.suppress(BufferError):
