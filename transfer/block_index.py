@@ -1,0 +1,443 @@
+"""Scheduler-side block index: namespaced keys -> host pool slot ids, with LRU or ARC eviction.
+
+Plain Python (no torch) so the vLLM scheduler process can own it; workers only ever receive the
+slot ids it hands out.
+
+Keys. The index takes full keys (`Namespace.key(block_hash)`: 16-byte namespace digest + hash
+bytes), not raw hashes, so the same bytes go on to the remote store and evicted keys can be handed
+on unchanged. Every method refuses a key of another namespace with ValueError: it can never hit.
+
+States of a key that holds a slot:
+- being stored: slot reserved by prepare_store; not readable and never a hit until
+  complete_store(ok=True); a failed store frees the slot and forgets the key;
+- stored: readable, and idle while no load pins it;
+- pinned: stored and read by in-flight loads (a count: two loads of a key pin it twice).
+Only stored, idle keys are evicted. Only loads count as use for the eviction policy, and within one
+call keys reach the policy tail first, so the head of a prefix is the most recent: evicting a tail
+block leaves a shorter prefix usable, evicting the head would strand the whole chain.
+
+Removal (remove, clear). Idle keys go at once and free their slots. Busy keys (pinned or being
+stored) start draining: they vanish at once (not readable, not being stored, never a hit) and
+their slot is freed when their last load or their store completes; until then the key cannot be
+stored again (prepare_store lists it as not placed). So no slot that a copy is still using is
+handed out again, and data that a reset meant to discard is never revived.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from transfer.keys import DIGEST_BYTES, Namespace
+
+CanEvict = Callable[[bytes], bool]
+
+
+class EvictionPolicy(ABC):
+    """Orders the keys that hold slots and picks eviction victims.
+
+    The index reports every key that takes a slot (`admit`), is read (`access`) or leaves without
+    being evicted (`discard`). Eviction happens inside `admit` so that a policy can learn from the
+    incoming key before it chooses a victim (ARC does).
+    """
+
+    @abstractmethod
+    def admit(self, key: bytes, need_room: bool, can_evict: CanEvict) -> bytes | None:
+        """Track `key`, which takes a slot. When `need_room`, first evict and return one tracked key
+        for which `can_evict` is true; the index only asks when such a key exists."""
+
+    @abstractmethod
+    def access(self, key: bytes) -> None:
+        """A tracked key was read."""
+
+    @abstractmethod
+    def discard(self, key: bytes) -> None:
+        """Stop tracking a key that leaves without eviction (failed store, remove)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key and all history."""
+
+
+def _evict_first(entries: OrderedDict[bytes, None], can_evict: CanEvict) -> bytes | None:
+    """Remove and return the oldest evictable key of `entries`, or None."""
+    for key in entries:
+        if can_evict(key):
+            del entries[key]
+            return key
+    return None
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: admitted or read keys go to the back, victims come from the front."""
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[bytes, None] = OrderedDict()
+
+    def admit(self, key: bytes, need_room: bool, can_evict: CanEvict) -> bytes | None:
+        victim = None
+        if need_room:
+            victim = _evict_first(self.order, can_evict)
+            if victim is None:
+                raise AssertionError("admit asked for room with no idle key")
+        self.order[key] = None
+        return victim
+
+    def access(self, key: bytes) -> None:
+        self.order.move_to_end(key)
+
+    def discard(self, key: bytes) -> None:
+        del self.order[key]
+
+    def clear(self) -> None:
+        self.order.clear()
+
+
+class ARCPolicy(EvictionPolicy):
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) over `capacity` slots.
+
+    `t1` holds keys used once since admission, `t2` keys read again (or readmitted from a ghost
+    list); ghost lists `b1`/`b2` hold only the keys lately evicted from each. Readmitting a key from
+    b1 means recency was under-served, so the target size of t1 (`target_t1_size`, the paper's p)
+    grows by max(|b2|/|b1|, 1); from b2 it shrinks by max(|b1|/|b2|, 1). Victims come from t1 when
+    |t1| > p (or |t1| == p and the incoming key was in b2), else from t2; the paper's rule,
+    generalised to busy keys: the oldest evictable key of that list, else of the other one. Ghost
+    lists are trimmed as in the paper, to |t1| + |b1| <= c and |t1| + |t2| + |b1| + |b2| <= 2c.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.target_t1_size = 0.0
+        self.t1: OrderedDict[bytes, None] = OrderedDict()
+        self.t2: OrderedDict[bytes, None] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def admit(self, key: bytes, need_room: bool, can_evict: CanEvict) -> bytes | None:
+        in_b1, in_b2 = key in self.b1, key in self.b2
+        if in_b1:
+            step = max(len(self.b2) / len(self.b1), 1.0)
+            self.target_t1_size = min(float(self.capacity), self.target_t1_size + step)
+            del self.b1[key]
+        elif in_b2:
+            step = max(len(self.b1) / len(self.b2), 1.0)
+            self.target_t1_size = max(0.0, self.target_t1_size - step)
+            del self.b2[key]
+        victim = self._replace(in_b2, can_evict) if need_room else None
+        # A ghost hit is the key's second use within the history: it goes straight to t2.
+        (self.t2 if in_b1 or in_b2 else self.t1)[key] = None
+        while len(self.t1) + len(self.b1) > self.capacity:
+            self.b1.popitem(last=False)
+        while len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * self.capacity:
+            self.b2.popitem(last=False)
+        return victim
+
+    def _replace(self, incoming_in_b2: bool, can_evict: CanEvict) -> bytes:
+        t1_size = len(self.t1)
+        prefer_t1 = t1_size > 0 and (
+            t1_size > self.target_t1_size
+            or (incoming_in_b2 and t1_size == self.target_t1_size)
+        )
+        lists = [(self.t1, self.b1), (self.t2, self.b2)]
+        if not prefer_t1:
+            lists.reverse()
+        for live, ghost in lists:
+            victim = _evict_first(live, can_evict)
+            if victim is not None:
+                ghost[victim] = None
+                return victim
+        raise AssertionError("admit asked for room with no idle key")
+
+    def access(self, key: bytes) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        else:
+            self.t2.move_to_end(key)
+
+    def discard(self, key: bytes) -> None:
+        if key in self.t1:
+            del self.t1[key]
+        else:
+            del self.t2[key]
+
+    def clear(self) -> None:
+        for entries in (self.t1, self.t2, self.b1, self.b2):
+            entries.clear()
+        self.target_t1_size = 0.0
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """What prepare_store did.
+
+    `keys` got `slots` (same order, request order) and are now being stored: the worker copies
+    them, then the caller reports complete_store. `not_placed` needed a slot and got none (every
+    other slot busy, or a removed key still draining); placed keys are always a prefix of the keys
+    that needed a slot. Keys already stored or being stored are in neither list. `evicted` are the
+    stored keys evicted to make room, in eviction order.
+    """
+
+    keys: list[bytes]
+    slots: list[int]
+    not_placed: list[bytes]
+    evicted: list[bytes]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Slots to read `keys` from (same order); the keys stay pinned until complete_load."""
+
+    keys: list[bytes]
+    slots: list[int]
+
+
+@dataclass
+class IndexStats:
+    """Counters since construction, in keys (clear does not reset them)."""
+
+    hits: int = 0  # keys inside the prefixes lookup_prefix returned
+    misses: int = 0  # keys lookup_prefix was asked about past those prefixes
+    stores: int = 0  # stores completed ok
+    evictions: int = 0
+    failed_stores: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    storing: bool = True
+    pins: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.storing and self.pins == 0
+
+
+class BlockIndex:
+    """Maps keys of one namespace to slots of a pool of `num_slots` blocks (see module doc).
+
+    `policy` names the eviction policy, "lru" or "arc"; the instance is the `policy` attribute
+    (read it, e.g. ARC's target_t1_size; only the index drives it). Verbs that change state refuse
+    duplicate keys; every bad input raises ValueError naming the value before anything changes.
+    """
+
+    def __init__(self, namespace: Namespace, num_slots: int, policy: str = "lru") -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if policy not in ("lru", "arc"):
+            raise ValueError(f"policy must be 'lru' or 'arc', got {policy!r}")
+        self.namespace = namespace
+        self.num_slots = num_slots
+        self.policy: EvictionPolicy = LRUPolicy() if policy == "lru" else ARCPolicy(num_slots)
+        self._digest = namespace.digest
+        self._entries: dict[bytes, _Entry] = {}  # live keys: stored or being stored
+        self._draining: dict[bytes, _Entry] = {}  # removed while busy; slot freed when released
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._num_idle = 0  # live entries stored and unpinned: the eviction candidates
+        self._stats = IndexStats()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Keys stored or being stored (draining keys excluded)."""
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.contains(key)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_draining(self) -> int:
+        """Removed keys whose slots wait for their in-flight loads or store."""
+        return len(self._draining)
+
+    @property
+    def stats(self) -> IndexStats:
+        """A snapshot of the counters."""
+        return replace(self._stats)
+
+    def contains(self, key: bytes) -> bool:
+        """True when `key` is stored and readable."""
+        entry = self._entries.get(self._checked(key))
+        return entry is not None and not entry.storing
+
+    def is_being_stored(self, key: bytes) -> bool:
+        """True while a store of `key` is in flight (a load of it must wait for complete_store)."""
+        entry = self._entries.get(self._checked(key))
+        return entry is not None and entry.storing
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of `keys` stored now; a key being stored ends it."""
+        keys = self._checked_keys(keys, unique=False)
+        length = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.storing:
+                break
+            length += 1
+        self._stats.hits += length
+        self._stats.misses += len(keys) - length
+        return length
+
+    # ---- two-phase verbs -----------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan:
+        """Reserve slots for the keys not yet stored or being stored, evicting idle stored keys
+        in policy order as needed; keys of this call are never evicted by it. Places as many as
+        fit, as a prefix (see StorePlan)."""
+        keys = self._checked_keys(keys)
+        needed: list[bytes] = []
+        blocked: list[bytes] = []  # a draining key and every key after it: placed stays a prefix
+        idle_in_call = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                idle_in_call += entry.idle
+            elif blocked or key in self._draining:
+                blocked.append(key)
+            else:
+                needed.append(key)
+        room = len(self._free) + self._num_idle - idle_in_call
+        placed, not_placed = needed[:room], needed[room:] + blocked
+
+        in_call = set(keys)
+
+        def can_evict(key: bytes) -> bool:
+            return self._entries[key].idle and key not in in_call
+
+        slot_of: dict[bytes, int] = {}
+        evicted: list[bytes] = []
+        for key in reversed(placed):  # tail first: the head of the prefix ends most recent
+            victim = self.policy.admit(key, not self._free, can_evict)
+            if victim is not None:
+                self._free.append(self._entries.pop(victim).slot)
+                self._num_idle -= 1
+                evicted.append(victim)
+            slot_of[key] = self._free.pop()
+            self._entries[key] = _Entry(slot_of[key])
+        self._stats.evictions += len(evicted)
+        return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted)
+
+    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
+        """Finish stores begun by prepare_store: ok keys become readable, failed ones free their
+        slot and are forgotten. `ok` is one flag for all keys or one per key."""
+        keys = self._checked_keys(keys)
+        if isinstance(ok, bool):
+            flags = [ok] * len(keys)
+        elif isinstance(ok, Sequence):
+            flags = list(ok)
+        else:
+            raise ValueError(f"ok must be a bool or a sequence of bools, got {ok!r}")
+        if len(flags) != len(keys):
+            raise ValueError(f"ok has {len(flags)} flags for {len(keys)} keys: {ok!r}")
+        for flag in flags:
+            if not isinstance(flag, bool):
+                raise ValueError(f"ok flags must be bool, got {flag!r}")
+        for key in keys:
+            entry = self._entries.get(key) or self._draining.get(key)
+            if entry is None or not entry.storing:
+                raise ValueError(f"key {key.hex()} is not being stored")
+        for key, stored in zip(keys, flags, strict=True):
+            if key in self._draining:
+                self._free.append(self._draining.pop(key).slot)
+            elif stored:
+                self._entries[key].storing = False
+                self._num_idle += 1
+            else:
+                self._free.append(self._entries.pop(key).slot)
+                self.policy.discard(key)
+            if stored:
+                self._stats.stores += 1
+            else:
+                self._stats.failed_stores += 1
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Slots of stored keys, pinned (never evicted) until complete_load."""
+        keys = self._checked_keys(keys)
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise ValueError(f"key {key.hex()} is not stored")
+            if entry.storing:
+                raise ValueError(f"key {key.hex()} is still being stored")
+        for key in reversed(keys):  # tail first: the head of the prefix ends most recent
+            entry = self._entries[key]
+            self._num_idle -= entry.idle
+            entry.pins += 1
+            self.policy.access(key)
+        return LoadPlan(keys, [self._entries[key].slot for key in keys])
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Unpin keys read by a finished load (once per prepare_load that named them)."""
+        keys = self._checked_keys(keys)
+        for key in keys:
+            entry = self._entries.get(key) or self._draining.get(key)
+            if entry is None or entry.pins == 0:
+                raise ValueError(f"key {key.hex()} has no load in flight")
+        for key in keys:
+            if key in self._draining:
+                entry = self._draining[key]
+                entry.pins -= 1
+                if entry.pins == 0:
+                    self._free.append(self._draining.pop(key).slot)
+            else:
+                entry = self._entries[key]
+                entry.pins -= 1
+                self._num_idle += entry.idle
+
+    # ---- removal -------------------------------------------------------------------------
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Drop stored or being-stored keys: idle ones free their slot now, busy ones drain."""
+        keys = self._checked_keys(keys)
+        for key in keys:
+            if key not in self._entries:
+                raise ValueError(f"key {key.hex()} is not in the index")
+        for key in keys:
+            self.policy.discard(key)
+            self._drop(key)
+
+    def clear(self) -> None:
+        """Drop every key (reset_cache): idle slots are freed now, busy keys drain; the policy
+        forgets its history. Counters are kept."""
+        for key in list(self._entries):
+            self._drop(key)
+        self.policy.clear()
+
+    def _drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key)
+        if entry.idle:
+            self._free.append(entry.slot)
+            self._num_idle -= 1
+        else:
+            self._draining[key] = entry
+
+    # ---- validation ----------------------------------------------------------------------
+
+    def _checked(self, key: bytes) -> bytes:
+        if not isinstance(key, bytes) or len(key) <= DIGEST_BYTES:
+            raise ValueError(
+                f"a key is bytes: a {DIGEST_BYTES}-byte namespace digest + a block hash, "
+                f"got {key!r}"
+            )
+        if key[:DIGEST_BYTES] != self._digest:
+            raise ValueError(f"key {key.hex()} is not of this index's namespace {self.namespace}")
+        return key
+
+    def _checked_keys(self, keys: Sequence[bytes], unique: bool = True) -> list[bytes]:
+        if isinstance(keys, bytes | str):
+            raise ValueError(f"expected a sequence of keys, got one value {keys!r}")
+        checked = [self._checked(key) for key in keys]
+        if unique and len(set(checked)) != len(checked):
+            seen: set[bytes] = set()
+            for key in checked:
+                if key in seen:
+                    raise ValueError(f"key {key.hex()} appears twice in one call")
+                seen.add(key)
+        return checked
