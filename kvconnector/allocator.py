@@ -169,6 +169,7 @@ class _HostMemory:
         self.mm = mm
         self.size = size
         whole = torch.frombuffer(mm, dtype=torch.uint8, count=offset + size)
+        self.base_ptr = whole.data_ptr()  # an empty header slice would report 0
         self.header = whole[:offset]  # shared buffers: layout and block count, one page
         self.tensor = whole[offset:]
         self.pinned_ranges: list[tuple[int, int]] = []
@@ -221,7 +222,7 @@ class _HostMemory:
         cudart = torch.cuda.cudart()
         # Ranges cover whole blocks of the data; the first also takes the header page, so the
         # storage's base (what torch's is_pinned checks) is registered too.
-        base = self.header.data_ptr()
+        base = self.base_ptr
         head = self.header.numel()
         ends = [*range(head + chunk, head + self.size, chunk), head + self.size]
         ranges = [(start, end - start) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
@@ -241,7 +242,7 @@ class _HostMemory:
     def unpin(self) -> None:
         cudart = torch.cuda.cudart()
         for off, _ in self.pinned_ranges:
-            cudart.cudaHostUnregister(self.header.data_ptr() + off)
+            cudart.cudaHostUnregister(self.base_ptr + off)
         self.pinned_ranges = []
 
     def release(self) -> None:

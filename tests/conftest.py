@@ -30,9 +30,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_cuda = _cuda_available()
     has_vllm = _vllm_available()
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "vllm" in item.keywords and not has_vllm:
+        if item.get_closest_marker("vllm") and not has_vllm:
             # With KVCONNECTOR_REQUIRE_VLLM=1 pytest_sessionstart has already failed the run.
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
 
