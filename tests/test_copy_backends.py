@@ -1,0 +1,191 @@
+"""Copy backends on CPU: descriptors, row copies, lane order, failure propagation, the factory."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from transfer.copy_backends import (
+    RowCopy,
+    Segment,
+    ThreadBackend,
+    ThreadCompletion,
+    make_backend,
+)
+
+TIMEOUT = 60.0
+
+
+def strided_rows(num_rows: int, width: int, stride: int, offset: int = 0,
+                 seed: int = 0) -> torch.Tensor:
+    base = torch.empty(offset + num_rows * stride, dtype=torch.uint8)
+    base.copy_(torch.randint(0, 256, base.shape, dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(seed)))
+    return torch.as_strided(base, (num_rows, width), (stride, 1), offset)
+
+
+def test_descriptors_address_every_row_of_every_pair() -> None:
+    a_src, a_dst = strided_rows(6, 48, 64), strided_rows(5, 48, 128, offset=16)
+    b_src, b_dst = strided_rows(6, 16, 80, offset=48), strided_rows(5, 16, 128)
+    copy = RowCopy(3, ((a_src, a_dst), (b_src, b_dst)), np.array([5, 0, 2]), np.array([1, 4, 3]))
+    srcs, dsts, sizes = copy.descriptors()
+    want_src = [a_src[r].data_ptr() for r in (5, 0, 2)] + [b_src[r].data_ptr() for r in (5, 0, 2)]
+    want_dst = [a_dst[r].data_ptr() for r in (1, 4, 3)] + [b_dst[r].data_ptr() for r in (1, 4, 3)]
+    assert srcs.tolist() == want_src
+    assert dsts.tolist() == want_dst
+    assert sizes.tolist() == [48] * 3 + [16] * 3
+    assert copy.nbytes == 3 * 64
+
+
+def test_run_rows_copies_exactly_the_named_rows() -> None:
+    src, dst = strided_rows(6, 40, 64, seed=1), strided_rows(5, 40, 100, offset=7, seed=2)
+    storage = torch.as_strided(dst, (7 + 5 * 100,), (1,), 0)  # rows, padding and all
+    want_storage = storage.clone()
+    want = torch.as_strided(want_storage, dst.shape, dst.stride(), 7)
+    want[0], want[4], want[2] = src[3], src[3], src[1]
+    RowCopy(0, ((src, dst),), np.array([3, 3, 1]), np.array([0, 4, 2])).run_rows()
+    assert torch.equal(storage, want_storage)
+
+
+def test_lane_runs_copies_in_submission_order() -> None:
+    src, dst = strided_rows(4, 32, 32, seed=3), torch.zeros(1, 32, dtype=torch.uint8)
+    lane = ThreadBackend().new_lane()
+    try:
+        done = [lane.submit(RowCopy(i, ((src, dst),), np.array([i]), np.array([0])), [])
+                for i in range(4)]
+        assert all(d.wait(TIMEOUT) for d in done) and all(d.ok for d in done)
+        assert torch.equal(dst[0], src[3])  # the last one wins
+    finally:
+        lane.close()
+
+
+def test_gate_holds_a_copy_and_after_orders_across_lanes() -> None:
+    release, entered = threading.Event(), threading.Event()
+
+    def gate(job_id: int) -> None:
+        if job_id == 1:
+            entered.set()
+            release.wait()
+
+    backend = ThreadBackend(gate)
+    a, b = backend.new_lane(), backend.new_lane()
+    src, mid, dst = (strided_rows(2, 32, 32, seed=4), torch.zeros(2, 32, dtype=torch.uint8),
+                     torch.zeros(2, 32, dtype=torch.uint8))
+    try:
+        first = a.submit(RowCopy(1, ((src, mid),), np.array([0, 1]), np.array([0, 1])), [])
+        assert entered.wait(TIMEOUT)
+        second = b.submit(RowCopy(2, ((mid, dst),), np.array([0, 1]), np.array([0, 1])), [first])
+        other = b.submit(RowCopy(3, ((src, src),), np.array([0]), np.array([0])), [])
+        assert not first.done() and not second.done() and not other.done()
+        release.set()
+        assert second.wait(TIMEOUT) and second.ok and other.wait(TIMEOUT)
+        assert torch.equal(dst, src)
+        assert second.seconds >= 0.0
+    finally:
+        release.set()
+        a.close()
+        b.close()
+
+
+def test_a_copy_after_a_failed_one_moves_nothing() -> None:
+    src, dst = strided_rows(1, 32, 32, seed=5), torch.zeros(1, 32, dtype=torch.uint8)
+    failed = ThreadCompletion()
+    failed.finish(False)
+    lane = ThreadBackend().new_lane()
+    try:
+        done = lane.submit(RowCopy(1, ((src, dst),), np.array([0]), np.array([0])), [failed])
+        assert done.wait(TIMEOUT) and not done.ok and done.seconds == 0.0
+        assert torch.count_nonzero(dst) == 0
+    finally:
+        lane.close()
+
+
+def test_a_raising_copy_is_reported_and_the_lane_survives() -> None:
+    src, dst = strided_rows(2, 32, 32, seed=6), torch.zeros(2, 32, dtype=torch.uint8)
+    lane = ThreadBackend().new_lane()
+    try:
+        bad = lane.submit(RowCopy(1, ((src, dst),), np.array([0]), np.array([7])), [])
+        good = lane.submit(RowCopy(2, ((src, dst),), np.array([1]), np.array([1])), [])
+        assert bad.wait(TIMEOUT) and not bad.ok
+        assert good.wait(TIMEOUT) and good.ok and torch.equal(dst[1], src[1])
+    finally:
+        lane.close()
+
+
+def test_thread_backend_refuses_device_tensors() -> None:
+    meta = torch.empty(4, 32, dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match="segment 0 gpu tensor is on meta"):
+        ThreadBackend().check([Segment(meta, torch.zeros(4, 32, dtype=torch.uint8))])
+
+
+def test_make_backend() -> None:
+    assert isinstance(make_backend("auto", "cpu"), ThreadBackend)
+    assert isinstance(make_backend("thread", "cpu"), ThreadBackend)
+    with pytest.raises(ValueError, match="unknown copy backend 'nvlink'"):
+        make_backend("nvlink", "cpu")
+    with pytest.raises(ValueError, match="'dma' needs a CUDA device"):
+        make_backend("dma", "cpu")
+    assert make_backend("auto", "cpu").mark_compute() is None
+
+
+def test_importing_cuda_copy_needs_no_gpu() -> None:
+    import transfer.cuda_copy as cc
+
+    assert cc.DmaBackend.name == "dma" and cc.SmCopyBackend.name == "sm"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        cc.DmaBackend("cpu")
+
+
+class _FakeStream:
+    cuda_stream = 0x77
+
+
+def _host_copy_and_want() -> tuple[RowCopy, torch.Tensor, torch.Tensor]:
+    src, dst = strided_rows(6, 48, 64, seed=7), strided_rows(5, 48, 96, offset=32, seed=8)
+    storage = torch.as_strided(dst, (32 + 5 * 96,), (1,), 0)
+    want_storage = storage.clone()
+    torch.as_strided(want_storage, dst.shape, dst.stride(), 32)[[4, 0]] = src[[1, 5]]
+    return RowCopy(1, ((src, dst),), np.array([1, 5]), np.array([4, 0])), storage, want_storage
+
+
+def test_dma_issue_passes_the_cuda13_batch_arguments_in_order() -> None:
+    """DmaBackend.issue against a stand-in runtime that copies host memory: argument order."""
+    from transfer.cuda_copy import DmaBackend
+
+    calls = []
+
+    class FakeRuntime:
+        @staticmethod
+        def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
+            calls.append((count, attrs, idxs, num_attrs, stream))
+            for d, s, n in zip(dsts, srcs, sizes, strict=True):
+                ctypes.memmove(d, s, n)
+            return (0,)
+
+    backend = object.__new__(DmaBackend)
+    backend._rt, backend._attrs = FakeRuntime, "attrs"
+    copy, storage, want = _host_copy_and_want()
+    backend.issue(copy, _FakeStream())
+    assert calls == [(2, ["attrs"], [0], 1, 0x77)]
+    assert torch.equal(storage, want)
+
+
+def test_dma_loop_passes_dst_src_size_kind_stream() -> None:
+    from transfer.cuda_copy import DmaBackend
+
+    kinds = []
+
+    def memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        kinds.append((kind, stream))
+        ctypes.memmove(dst, src, size)
+
+    backend = object.__new__(DmaBackend)
+    backend._attrs, backend._memcpy_async = None, memcpy_async
+    copy, storage, want = _host_copy_and_want()
+    backend.issue(copy, _FakeStream())
+    assert kinds == [(4, 0x77)] * 2  # cudaMemcpyDefault
+    assert torch.equal(storage, want)

@@ -1,0 +1,236 @@
+"""Copy backends: how one job's row copies run, in order, on a lane.
+
+A `Segment` pairs a 2-D uint8 GPU tensor (rows = GPU block ids) with a 2-D uint8 host tensor
+(rows = pool slots) of the same row bytes. A block-major cache has one segment (whole blocks, one
+copy per block); the fallback for other caches has one per layer (one copy per layer per block).
+A `RowCopy` is one job over all segments: row `src_rows[i]` -> row `dst_rows[i]` of each, issued
+as one batch.
+
+A `Lane` runs row copies in submission order (a CUDA stream, or a worker thread on CPU), each
+after the `Completion`s it names; `submit` returns a Completion at once and never blocks.
+A `CopyBackend` makes lanes. The CPU backend here runs copies on threads and takes a `gate` that
+tests use to hold a job in flight; the CUDA backends (batched DMA, SM kernel) live in
+`transfer.cuda_copy` and are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One region of every block: GPU rows (num_gpu_blocks, nbytes), host rows (num_slots,
+    nbytes). Both 2-D uint8, rows dense; the row stride may exceed the row bytes."""
+
+    gpu: torch.Tensor
+    host: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.gpu.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class RowCopy:
+    """One job's copies: for each (src, dst) pair, row src_rows[i] -> row dst_rows[i]."""
+
+    job_id: int
+    pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    src_rows: np.ndarray  # int64
+    dst_rows: np.ndarray  # int64
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.src_rows) * sum(int(src.shape[1]) for src, _ in self.pairs)
+
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src addresses, dst addresses, sizes), one entry per row per pair, as int64 arrays."""
+        n = len(self.src_rows)
+        srcs = np.empty(n * len(self.pairs), dtype=np.int64)
+        dsts = np.empty_like(srcs)
+        sizes = np.empty_like(srcs)
+        for k, (src, dst) in enumerate(self.pairs):
+            part = slice(k * n, (k + 1) * n)
+            # Element strides are byte strides: every tensor here is uint8.
+            srcs[part] = src.data_ptr() + self.src_rows * src.stride(0)
+            dsts[part] = dst.data_ptr() + self.dst_rows * dst.stride(0)
+            sizes[part] = src.shape[1]
+        return srcs, dsts, sizes
+
+    def run_rows(self) -> None:
+        """Copy row by row with torch (host tensors): no temporary the size of the job."""
+        src_rows, dst_rows = self.src_rows.tolist(), self.dst_rows.tolist()
+        for src, dst in self.pairs:
+            for s, d in zip(src_rows, dst_rows, strict=True):
+                dst[d].copy_(src[s])
+
+
+class Completion(ABC):
+    """The end of one submitted copy (or a point in the compute stream a copy must follow)."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """True once finished, successfully or not; never blocks."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or `timeout` seconds passed; True when done."""
+
+    @property
+    @abstractmethod
+    def ok(self) -> bool:
+        """True when done and every byte was copied."""
+
+    @property
+    @abstractmethod
+    def seconds(self) -> float:
+        """How long the copy itself ran (0.0 when it failed)."""
+
+
+class Lane(ABC):
+    """An ordered queue of copies: a CUDA stream, or a worker thread on CPU."""
+
+    @abstractmethod
+    def submit(self, copy: RowCopy, after: Sequence[Completion]) -> Completion:
+        """Queue `copy` behind this lane's earlier copies and behind `after`; never blocks.
+
+        If any of `after` fails, `copy` fails without moving a byte.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the lane; only call when everything submitted to it is done."""
+
+
+class CopyBackend(ABC):
+    """Makes lanes for one device and says which tensors it can copy."""
+
+    name: str
+
+    @abstractmethod
+    def check(self, segments: Sequence[Segment]) -> None:
+        """Raise ValueError, naming the tensor, when this backend cannot copy these segments."""
+
+    @abstractmethod
+    def new_lane(self) -> Lane:
+        """A fresh lane, independent of every other lane."""
+
+    def mark_compute(self) -> Completion | None:
+        """A point after all work queued so far on the caller's compute stream (None on CPU)."""
+        return None
+
+
+# -- CPU backend: one thread per lane ----------------------------------------------------------
+
+Gate = Callable[[int], None]
+
+
+class ThreadCompletion(Completion):
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._ok = False
+        self._seconds = 0.0
+
+    def finish(self, ok: bool, seconds: float = 0.0) -> None:
+        self._ok, self._seconds = ok, seconds
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    @property
+    def ok(self) -> bool:
+        return self._event.is_set() and self._ok
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds
+
+
+class _ThreadLane(Lane):
+    def __init__(self, gate: Gate | None) -> None:
+        self._gate = gate
+        self._queue: queue.SimpleQueue[tuple[RowCopy, Sequence[Completion], ThreadCompletion]
+                                       | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kv-copy-lane", daemon=True)
+        self._thread.start()
+
+    def submit(self, copy: RowCopy, after: Sequence[Completion]) -> Completion:
+        done = ThreadCompletion()
+        self._queue.put((copy, tuple(after), done))
+        return done
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            copy, after, done = item
+            ok, seconds = False, 0.0
+            try:
+                for prior in after:
+                    prior.wait()
+                if all(prior.ok for prior in after):
+                    if self._gate is not None:
+                        self._gate(copy.job_id)
+                    start = time.perf_counter()
+                    copy.run_rows()
+                    ok, seconds = True, time.perf_counter() - start
+            except Exception:  # a failed copy is reported as not ok; the lane keeps running
+                ok = False
+            done.finish(ok, seconds)
+
+
+class ThreadBackend(CopyBackend):
+    """Copies between host tensors on worker threads (CPU-only machines, CI).
+
+    `gate(job_id)`, when given, is called on the lane's thread before each copy runs; tests block
+    in it to hold a job in flight.
+    """
+
+    name = "thread"
+
+    def __init__(self, gate: Gate | None = None) -> None:
+        self._gate = gate
+
+    def check(self, segments: Sequence[Segment]) -> None:
+        for i, seg in enumerate(segments):
+            for side, t in (("gpu", seg.gpu), ("host", seg.host)):
+                if t.device.type != "cpu":
+                    raise ValueError(f"segment {i} {side} tensor is on {t.device}; the thread "
+                                     f"backend copies host tensors only (use 'dma' or 'sm')")
+
+    def new_lane(self) -> Lane:
+        return _ThreadLane(self._gate)
+
+
+BACKENDS = ("auto", "thread", "dma", "sm")
+
+
+def make_backend(kind: str = "auto", device: str | torch.device = "cpu") -> CopyBackend:
+    """The backend `kind` for `device`: "auto" is "thread" on CPU and batched "dma" on CUDA."""
+    device = torch.device(device)
+    if kind not in BACKENDS:
+        raise ValueError(f"unknown copy backend {kind!r}; known: {BACKENDS}")
+    if kind == "auto":
+        kind = "dma" if device.type == "cuda" else "thread"
+    if kind == "thread":
+        return ThreadBackend()
+    if device.type != "cuda":
+        raise ValueError(f"copy backend {kind!r} needs a CUDA device, got {device}")
+    from transfer import cuda_copy  # lazy: cuda-bindings and cupy exist only on GPU machines
+
+    return cuda_copy.DmaBackend(device) if kind == "dma" else cuda_copy.SmCopyBackend(device)

@@ -1,0 +1,291 @@
+"""CUDA copy backends: a lane is a dedicated non-blocking stream; events order and time the jobs.
+
+Two ways to issue one job's copies onto a lane's stream:
+- `DmaBackend`: the copy engines. One cudaMemcpyBatchAsync call (cuda-bindings, CUDA >= 12.8
+  runtime API, CUDA 13 signature) per job, sources read in stream order; where the batch call is
+  missing or refused, one cupy memcpyAsync per copy.
+- `SmCopyBackend`: the SMs. A cupy RawKernel gathers/scatters rows through mapped pinned host
+  memory; a candidate for the fallback's small pages (8-72 KB), where per-copy DMA overhead shows.
+
+Streams are created here, not taken from torch's stream pool (which hands the same 32 streams
+round-robin to every caller, so a lane could end up queued behind someone else's work).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segment
+
+log = logging.getLogger(__name__)
+
+_POLL_SECONDS = 1e-4
+# cupy.cuda.runtime's value of cudaMemcpyDefault: the direction follows from the addresses (UVA).
+_MEMCPY_DEFAULT = 4
+
+
+def _runtime() -> ModuleType:
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def _check(err: object, what: str) -> None:
+    if int(err) != 0:  # cudaSuccess
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+class CudaCompletion(Completion):
+    """The end event of a job on a lane (and its start event, for timing)."""
+
+    def __init__(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
+                 error: BaseException | None = None) -> None:
+        self.start, self.end, self.error = start, end, error
+        self._done = error is not None
+
+    def done(self) -> bool:
+        if not self._done:
+            try:
+                self._done = self.end.query()  # type: ignore[union-attr]
+            except RuntimeError as exc:  # an asynchronous CUDA error surfaced here
+                self.error, self._done = exc, True
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is None and not self._done:
+            try:
+                self.end.synchronize()  # type: ignore[union-attr]
+            except RuntimeError as exc:
+                self.error = exc
+            self._done = True
+        deadline = time.monotonic() + (timeout or 0.0)
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
+        return True
+
+    @property
+    def ok(self) -> bool:
+        return self.done() and self.error is None
+
+    @property
+    def seconds(self) -> float:
+        if self.start is None or not self.ok:
+            return 0.0
+        return self.start.elapsed_time(self.end) / 1e3
+
+
+class _StreamLane(Lane):
+    def __init__(self, backend: _CudaBackend) -> None:
+        self._backend = backend
+        rt = _runtime()
+        with torch.cuda.device(backend.device):
+            err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+            _check(err, "cudaStreamCreateWithFlags")
+        self._handle = handle
+        self.stream = torch.cuda.ExternalStream(int(handle), device=backend.device)
+
+    def submit(self, copy: RowCopy, after: Sequence[Completion]) -> Completion:
+        if any(prior.done() and not prior.ok for prior in after):
+            return CudaCompletion(None, None, RuntimeError(
+                f"job {copy.job_id}: a job it must follow failed; nothing copied"))
+        with torch.cuda.device(self._backend.device):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            for prior in after:
+                self.stream.wait_event(prior.end)  # type: ignore[attr-defined]
+            start.record(self.stream)
+            error: BaseException | None = None
+            try:
+                self._backend.issue(copy, self.stream)
+            except Exception as exc:  # reported as a failed job, never raised into the step
+                log.error("job %s: issuing %d copies failed: %s", copy.job_id,
+                          len(copy.src_rows) * len(copy.pairs), exc)
+                error = exc
+            end.record(self.stream)
+        return CudaCompletion(start, end, error)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _runtime().cudaStreamDestroy(self._handle)
+            self._handle = None
+
+
+class _CudaBackend(CopyBackend):
+    def __init__(self, device: str | torch.device) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"a CUDA copy backend needs a CUDA device, got {device}")
+        self.device = torch.device("cuda", device.index if device.index is not None
+                                   else torch.cuda.current_device())
+
+    def check(self, segments: Sequence[Segment]) -> None:
+        for i, seg in enumerate(segments):
+            if seg.gpu.device != self.device:
+                raise ValueError(f"segment {i} GPU tensor is on {seg.gpu.device}; this "
+                                 f"{self.name} backend copies to and from {self.device}")
+            if seg.host.device.type != "cpu":
+                raise ValueError(f"segment {i} host tensor is on {seg.host.device}, not the host")
+
+    def new_lane(self) -> Lane:
+        return _StreamLane(self)
+
+    def mark_compute(self) -> Completion:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return CudaCompletion(None, event)
+
+    @abstractmethod
+    def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
+        """Queue the copies of `copy` on `stream` (the lane has already ordered it)."""
+
+
+class DmaBackend(_CudaBackend):
+    """Copy engines: one cudaMemcpyBatchAsync per job; cupy memcpyAsync per copy as fallback.
+
+    `batched=False` forces the per-copy loop (to measure the batch against it). `self.batched`
+    says which one runs: the batch call is probed once and dropped if the runtime refuses it.
+    """
+
+    name = "dma"
+
+    def __init__(self, device: str | torch.device, batched: bool = True) -> None:
+        super().__init__(device)
+        self._rt = _runtime()
+        self._attrs = None
+        if batched:
+            self._attrs = self._probe_batch()
+        self.batched = self._attrs is not None
+        if not self.batched:
+            import cupy
+
+            self._memcpy_async = cupy.cuda.runtime.memcpyAsync
+
+    def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
+        srcs, dsts, sizes = copy.descriptors()
+        count = len(sizes)
+        if count == 0:
+            return
+        handle = stream.cuda_stream
+        if self._attrs is not None:
+            # CUDA 13 signature: dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream.
+            result = self._rt.cudaMemcpyBatchAsync(dsts.tolist(), srcs.tolist(), sizes.tolist(),
+                                                   count, [self._attrs], [0], 1, handle)
+            _check(result[0], f"cudaMemcpyBatchAsync of {count} copies")
+            return
+        for src, dst, size in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
+            self._memcpy_async(dst, src, size, _MEMCPY_DEFAULT, handle)
+
+    def _probe_batch(self) -> object | None:
+        """The batch attributes when cudaMemcpyBatchAsync works here (checked with one copy)."""
+        try:
+            rt = self._rt
+            attrs = rt.cudaMemcpyAttributes()
+            # Sources are read in stream order: a store reads what the compute stream wrote.
+            attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+            # Ask for the copy engines, not SM copies, so compute keeps its SMs.
+            attrs.flags = int(rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute)
+            with torch.cuda.device(self.device):
+                src = torch.arange(256, dtype=torch.int32, device=self.device).view(torch.uint8)
+                dst = torch.zeros_like(src)
+                lane = _StreamLane(self)
+                lane.stream.wait_stream(torch.cuda.current_stream(self.device))
+                result = rt.cudaMemcpyBatchAsync([dst.data_ptr()], [src.data_ptr()], [src.numel()],
+                                                 1, [attrs], [0], 1, lane.stream.cuda_stream)
+                lane.stream.synchronize()
+                lane.close()
+            if result[0] != rt.cudaError_t.cudaSuccess or not torch.equal(src, dst):
+                raise RuntimeError(f"probe copy returned {result[0]}")
+        except Exception as exc:  # missing module, old driver, other signature
+            log.warning("cudaMemcpyBatchAsync unavailable (%s); using one memcpyAsync per copy",
+                        exc)
+            return None
+        return attrs
+
+
+_KERNEL = r"""
+extern "C" __global__ void kv_copy_rows(const unsigned long long table_addr, const long long count)
+{
+    // table: count source addresses, then count destination addresses, then count sizes.
+    const unsigned long long* table = (const unsigned long long*)table_addr;
+    for (long long i = blockIdx.x; i < count; i += gridDim.x) {
+        const unsigned long long src = table[i], dst = table[count + i], n = table[2 * count + i];
+        if (((src | dst | n) & 15ULL) == 0) {
+            const uint4* s = (const uint4*)src;
+            uint4* d = (uint4*)dst;
+            const unsigned long long words = n >> 4, step = blockDim.x;
+            unsigned long long j = threadIdx.x;
+            // Four loads in flight per thread before the stores: PCIe reads are latency-bound.
+            for (; j + 3 * step < words; j += 4 * step) {
+                const uint4 a = s[j], b = s[j + step], c = s[j + 2 * step], e = s[j + 3 * step];
+                d[j] = a; d[j + step] = b; d[j + 2 * step] = c; d[j + 3 * step] = e;
+            }
+            for (; j < words; j += step) d[j] = s[j];
+        } else {
+            const unsigned char* s = (const unsigned char*)src;
+            unsigned char* d = (unsigned char*)dst;
+            for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) d[j] = s[j];
+        }
+    }
+}
+"""
+_THREADS = 256
+_MAX_GRID = 65535
+
+
+class SmCopyBackend(_CudaBackend):
+    """The SMs copy: one thread block per row copy, reading/writing pinned host memory mapped
+    into the GPU's address space. Needs a pinned pool mapped at its host addresses (x86 with
+    cudaDevAttrCanUseHostPointerForRegisteredMem)."""
+
+    name = "sm"
+
+    def __init__(self, device: str | torch.device) -> None:
+        super().__init__(device)
+        import cupy
+
+        self._cupy = cupy
+        self._kernel = cupy.RawKernel(_KERNEL, "kv_copy_rows")
+
+    def check(self, segments: Sequence[Segment]) -> None:
+        super().check(segments)
+        rt = _runtime()
+        err, same_address = rt.cudaDeviceGetAttribute(
+            rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device.index)
+        _check(err, "cudaDeviceGetAttribute")
+        if not same_address:
+            raise ValueError(f"{self.device} cannot use host pointers of registered memory; "
+                             f"the SM copy needs them (use the 'dma' backend)")
+        host_type = rt.cudaMemoryType.cudaMemoryTypeHost
+        for i, seg in enumerate(segments):
+            for row in {0, seg.host.shape[0] - 1}:
+                ptr = seg.host[row].data_ptr()
+                err, attrs = rt.cudaPointerGetAttributes(ptr)
+                if (err != rt.cudaError_t.cudaSuccess or attrs.type != host_type
+                        or int(attrs.devicePointer or 0) != ptr):
+                    raise ValueError(f"segment {i} host row {row} at {ptr:#x} is not pinned memory "
+                                     f"the GPU reads at its own address ({err}); the SM copy "
+                                     f"needs a pinned pool")
+
+    def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
+        srcs, dsts, sizes = copy.descriptors()
+        count = len(sizes)
+        if count == 0:
+            return
+        # The table goes pinned -> device on the lane's stream; torch keeps the pinned block alive
+        # until that copy ran, and the device block is only reused by later work on this stream.
+        table = torch.from_numpy(np.concatenate([srcs, dsts, sizes])).pin_memory()
+        with torch.cuda.stream(stream):
+            dev_table = table.to(self.device, non_blocking=True)
+        with self._cupy.cuda.Device(self.device.index), \
+                self._cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index):
+            self._kernel((min(count, _MAX_GRID),), (_THREADS,),
+                         (np.uint64(dev_table.data_ptr()), np.int64(count)))

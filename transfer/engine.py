@@ -1,0 +1,236 @@
+"""Transfer engine: asynchronous whole-block jobs between the GPU cache and the host pool.
+
+Verbs come in two phases, as in vLLM's kv_offload: `submit_store` / `submit_load` queue a job and
+return at once; `get_finished` reports each job exactly once; `wait` blocks on chosen jobs.
+
+Ordering and back-pressure:
+- one lane (CUDA stream / thread) per direction, so a load never queues behind stores (PCIe is
+  full duplex); a store is queued after everything the compute stream had queued at submit;
+- a job that touches what an unfinished job touches (a load of slots a store is still writing, a
+  store of blocks a load is still filling, ...) goes on a spare lane that waits for exactly those
+  jobs, so jobs on the direction's lane never wait for it;
+- stores in flight are bounded by `max_store_bytes`: past it a store is dropped whole before any
+  byte moves (submit returns False, get_finished reports it not ok); loads are never dropped;
+- nothing here blocks the caller except `wait` and `close`.
+Bad input raises ValueError before any byte moves. Call from one thread (the worker's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segment, make_backend
+
+DEFAULT_MAX_STORE_BYTES = 2 << 30  # ~40 ms of stores at PCIe Gen5 x16 speed
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished job: `nbytes` moved in `seconds` of copy time (0 and 0.0 when not ok)."""
+
+    job_id: int
+    ok: bool
+    nbytes: int
+    seconds: float
+    is_store: bool
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_store: bool
+    nbytes: int
+    gpu_ids: frozenset[int]
+    slot_ids: frozenset[int]
+    completion: Completion
+    lane: Lane
+    spare: bool  # ran on a spare lane, which goes back to the spare list when reported
+
+    def conflicts(self, is_store: bool, gpu_ids: frozenset[int], slot_ids: frozenset[int]) -> bool:
+        """Must a new job on these ids wait for this one?"""
+        if self.is_store != is_store:  # opposite directions: any shared block or slot
+            return not (self.gpu_ids.isdisjoint(gpu_ids) and self.slot_ids.isdisjoint(slot_ids))
+        # Same direction: both read one side and write the other; only the written side matters.
+        return not (self.slot_ids.isdisjoint(slot_ids) if is_store
+                    else self.gpu_ids.isdisjoint(gpu_ids))
+
+
+class TransferEngine:
+    """Moves blocks GPU <-> host pool over `segments` (see `HostPool.segments`).
+
+    `backend` defaults to batched DMA for CUDA segments and worker threads for host ones.
+    """
+
+    def __init__(self, segments: Sequence[Segment], backend: CopyBackend | None = None, *,
+                 max_store_bytes: int = DEFAULT_MAX_STORE_BYTES) -> None:
+        self.segments = _check_segments(segments)
+        if not isinstance(max_store_bytes, int) or max_store_bytes <= 0:
+            raise ValueError(f"max_store_bytes must be a positive integer, got {max_store_bytes!r}")
+        self.num_gpu_blocks = int(self.segments[0].gpu.shape[0])
+        self.num_slots = int(self.segments[0].host.shape[0])
+        self.block_bytes = sum(seg.nbytes for seg in self.segments)
+        self.max_store_bytes = max_store_bytes
+        self.backend = backend or make_backend("auto", self.segments[0].gpu.device)
+        self.backend.check(self.segments)
+        self._store_pairs = tuple((seg.gpu, seg.host) for seg in self.segments)
+        self._load_pairs = tuple((seg.host, seg.gpu) for seg in self.segments)
+        self._lanes = {True: self.backend.new_lane(), False: self.backend.new_lane()}
+        self._spare: list[Lane] = []
+        self._all_spares: list[Lane] = []
+        self._jobs: dict[int, _Job] = {}  # accepted and not yet reported, in submission order
+        self._dropped: dict[int, TransferResult] = {}
+        self._closed = False
+
+    # -- verbs -----------------------------------------------------------------------------
+    def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                     slot_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
+        """Queue GPU blocks -> pool slots; False when dropped under pressure (nothing copied).
+
+        The copy sees everything the caller's current stream had queued before this call.
+        """
+        return self._submit(job_id, True, gpu_block_ids, slot_ids)
+
+    def submit_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                    gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
+        """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU."""
+        return self._submit(job_id, False, gpu_block_ids, slot_ids)
+
+    def get_finished(self) -> list[TransferResult]:
+        """Results of every job that finished (or was dropped) since the last call, once each."""
+        results = list(self._dropped.values())
+        self._dropped.clear()
+        for job_id, job in list(self._jobs.items()):
+            if not job.completion.done():
+                continue
+            del self._jobs[job_id]
+            if job.spare:
+                self._spare.append(job.lane)
+            ok = job.completion.ok
+            results.append(TransferResult(job_id, ok, job.nbytes if ok else 0,
+                                          job.completion.seconds if ok else 0.0, job.is_store))
+        return results
+
+    def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> bool:
+        """Block until the given jobs (default: all in flight) are done; False on timeout.
+
+        Ids not in flight (reported already, dropped, unknown) count as done. Results still come
+        from get_finished.
+        """
+        ids = list(self._jobs) if job_ids is None else job_ids
+        jobs = [self._jobs[i] for i in ids if i in self._jobs]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.completion.wait(left):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Finish every job in flight, then release the lanes. Unreported results are dropped."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        for lane in (*self._lanes.values(), *self._all_spares):
+            lane.close()
+        self._jobs.clear()
+
+    @property
+    def inflight_store_bytes(self) -> int:
+        """Bytes of accepted stores not finished yet (what `max_store_bytes` bounds)."""
+        return sum(j.nbytes for j in self._jobs.values()
+                   if j.is_store and not j.completion.done())
+
+    # -- internals -------------------------------------------------------------------------
+    def _submit(self, job_id: int, is_store: bool, gpu_block_ids: object,
+                slot_ids: object) -> bool:
+        if self._closed:
+            raise RuntimeError("the transfer engine is closed")
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise ValueError(f"job id must be an int, got {job_id!r}")
+        if job_id in self._jobs or job_id in self._dropped:
+            raise ValueError(f"job id {job_id} is still in flight or unreported")
+        gpu = _ids(gpu_block_ids, self.num_gpu_blocks, "GPU block id")
+        slots = _ids(slot_ids, self.num_slots, "slot id")
+        if len(gpu) != len(slots):
+            raise ValueError(f"job {job_id}: {len(gpu)} GPU block ids but {len(slots)} slot ids")
+        _check_unique(slots if is_store else gpu, "slot id" if is_store else "GPU block id")
+        nbytes = len(gpu) * self.block_bytes
+        if is_store:
+            inflight = self.inflight_store_bytes
+            # An idle lane takes any store, so one larger than the bound is never refused forever.
+            if inflight and inflight + nbytes > self.max_store_bytes:
+                self._dropped[job_id] = TransferResult(job_id, False, 0, 0.0, True)
+                return False
+        gpu_set, slot_set = frozenset(gpu.tolist()), frozenset(slots.tolist())
+        after = [j.completion for j in self._jobs.values()
+                 if j.conflicts(is_store, gpu_set, slot_set) and not j.completion.done()]
+        spare = bool(after)
+        lane = self._take_spare() if spare else self._lanes[is_store]
+        if is_store and (marker := self.backend.mark_compute()) is not None:
+            after.append(marker)
+        copy = (RowCopy(job_id, self._store_pairs, gpu, slots) if is_store
+                else RowCopy(job_id, self._load_pairs, slots, gpu))
+        completion = lane.submit(copy, after)
+        self._jobs[job_id] = _Job(job_id, is_store, nbytes, gpu_set, slot_set, completion, lane,
+                                  spare)
+        return True
+
+    def _take_spare(self) -> Lane:
+        if self._spare:
+            return self._spare.pop()
+        lane = self.backend.new_lane()
+        self._all_spares.append(lane)
+        return lane
+
+
+def _ids(values: object, limit: int, what: str) -> np.ndarray:
+    """`values` as a 1-D int64 array of ids in [0, limit); ValueError naming the first bad one."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}s must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{what}s must be integers, got {arr.dtype} values {arr[:4].tolist()}")
+    arr = arr.astype(np.int64, copy=False)
+    bad = (arr < 0) | (arr >= limit)
+    if bad.any():
+        raise ValueError(f"{what} {int(arr[bad][0])} out of range [0, {limit})")
+    return arr
+
+
+def _check_unique(dst: np.ndarray, what: str) -> None:
+    values, counts = np.unique(dst, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"destination {what} {int(values[counts > 1][0])} appears "
+                         f"{int(counts.max())} times in one job")
+
+
+def _check_segments(segments: Sequence[Segment]) -> list[Segment]:
+    if not segments:
+        raise ValueError("no segments given")
+    out = []
+    for i, seg in enumerate(segments):
+        for side, t in (("gpu", seg.gpu), ("host", seg.host)):
+            if t.dim() != 2 or t.dtype not in (torch.uint8, torch.int8) or t.shape[1] == 0:
+                raise ValueError(f"segment {i} {side} must be a 2-D uint8 row tensor, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+            if t.shape[1] > 1 and t.stride(1) != 1:
+                raise ValueError(f"segment {i} {side} rows are not dense: stride {t.stride()}")
+        if seg.gpu.shape[1] != seg.host.shape[1]:
+            raise ValueError(f"segment {i}: GPU rows hold {seg.gpu.shape[1]} B, host rows "
+                             f"{seg.host.shape[1]} B")
+        if seg.gpu.shape[0] != segments[0].gpu.shape[0]:
+            raise ValueError(f"segment {i} has {seg.gpu.shape[0]} GPU rows, segment 0 has "
+                             f"{segments[0].gpu.shape[0]}")
+        if seg.host.shape[0] != segments[0].host.shape[0]:
+            raise ValueError(f"segment {i} has {seg.host.shape[0]} host rows, segment 0 has "
+                             f"{segments[0].host.shape[0]}")
+        out.append(Segment(seg.gpu.view(torch.uint8), seg.host.view(torch.uint8)))
+    return out

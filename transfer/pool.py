@@ -1,0 +1,123 @@
+"""Host block pool: worker side, one per TP rank.
+
+Block-major whatever the GPU cache's order: slot s is one aligned chunk holding one block of every
+layer, so a block-major GPU cache moves a block in one copy and a layer-major one in one copy per
+layer, each landing in its place inside the slot. Allocated by the allocator from a byte budget
+(page-aligned, touched in parallel), pinned with cudaHostRegister where CUDA is present, and in
+named shared memory when several worker processes use one pool (each attaches and registers it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvconnector.allocator import KVBuffer, allocate, attach
+from kvconnector.layout import KVLayout
+from transfer.copy_backends import Segment
+
+
+def block_major_twin(layout: KVLayout) -> KVLayout:
+    """The block-outermost order with the same block bytes: LBHNC -> BLHNC, LHBNC -> BLHNC."""
+    if layout.is_block_major:
+        return layout
+    return layout.with_order("B" + layout.order.replace("B", ""))
+
+
+class HostPool:
+    """Host slots of `block_bytes` each; `slots` is their (num_slots, block_bytes) row view."""
+
+    def __init__(self, buffer: KVBuffer) -> None:
+        self.buffer = buffer
+        self.layout = buffer.layout
+        self.slots = buffer.block_chunks()
+
+    @classmethod
+    def create(cls, layout: KVLayout, *, budget_bytes: int | None = None,
+               num_slots: int | None = None, pinned: bool | None = None,
+               shared_name: str | None = None) -> HostPool:
+        """A zeroed pool for the cache `layout` (any order), sized by a byte budget or a count.
+
+        `pinned` defaults to whether CUDA is available; `shared_name` puts it in /dev/shm.
+        """
+        if pinned is None:
+            pinned = torch.cuda.is_available()
+        return cls(allocate(block_major_twin(layout), num_blocks=num_slots,
+                            budget_bytes=budget_bytes, pinned=pinned, shared_name=shared_name))
+
+    @classmethod
+    def attach(cls, shared_name: str, layout: KVLayout | None = None, *,
+               pinned: bool | None = None) -> HostPool:
+        """The pool another process created under `shared_name`, registered here if `pinned`.
+
+        Its layout comes from the creator's header; `layout`, when given, must match it.
+        """
+        if pinned is None:
+            pinned = torch.cuda.is_available()
+        twin = None if layout is None else block_major_twin(layout)
+        return cls(attach(shared_name, twin, pinned=pinned))
+
+    @property
+    def num_slots(self) -> int:
+        return self.buffer.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer.pinned
+
+    @property
+    def shared_name(self) -> str | None:
+        return self.buffer.shared_name
+
+    def segments(self, gpu_chunks: Sequence[torch.Tensor]) -> list[Segment]:
+        """Pair GPU row tensors with the pool: chunk i fills the bytes after chunk i-1 in a slot.
+
+        Block-major cache: one chunk, (num_gpu_blocks, block_bytes). Fallback: one chunk per layer,
+        (num_gpu_blocks, page_bytes), in layer order. Raises ValueError unless the chunks are 2-D
+        8-bit row tensors with dense rows, of one device and block count, whose row bytes add up
+        to this pool's block bytes.
+        """
+        if not gpu_chunks:
+            raise ValueError("no GPU chunks given")
+        chunks = [_as_rows(c, f"GPU chunk {i}") for i, c in enumerate(gpu_chunks)]
+        first = chunks[0]
+        for i, c in enumerate(chunks):
+            if c.shape[0] != first.shape[0] or c.device != first.device:
+                raise ValueError(f"GPU chunk {i} has {c.shape[0]} rows on {c.device}; chunk 0 has "
+                                 f"{first.shape[0]} on {first.device}")
+        total = sum(int(c.shape[1]) for c in chunks)
+        if total != self.block_bytes:
+            raise ValueError(f"the GPU chunks hold {total} B per block but this pool's slots hold "
+                             f"{self.block_bytes} B ({self.layout.describe()}): a pool of the "
+                             f"wrong block size")
+        raw = self.buffer.raw
+        stride = self.slots.stride(0)
+        out, offset = [], 0
+        for c in chunks:
+            width = int(c.shape[1])
+            host = torch.as_strided(raw, (self.num_slots, width), (stride, 1),
+                                    raw.storage_offset() + offset)
+            out.append(Segment(c, host))
+            offset += width
+        return out
+
+    def close(self, unlink: bool = False) -> None:
+        """Unpin and unmap; `unlink` also removes the shared-memory name (the creator does it)."""
+        self.buffer.close(unlink=unlink)
+
+
+def _as_rows(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() != 2 or t.dtype not in (torch.uint8, torch.int8):
+        raise ValueError(f"{what} must be a 2-D uint8/int8 row tensor, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.shape[1] == 0 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"{what}: rows must be dense and non-empty, got shape {tuple(t.shape)} "
+                         f"stride {t.stride()}")
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1]:
+        raise ValueError(f"{what}: row stride {t.stride(0)} < row bytes {t.shape[1]}: rows overlap")
+    return t.view(torch.uint8)
