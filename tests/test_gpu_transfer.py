@@ -213,12 +213,14 @@ def test_load_waits_for_the_store_of_its_slot_only(backend: str) -> None:
         rows[40].fill_(POISON)
         rows[41].fill_(POISON)
         block5 = rows[5].cpu()
-        torch.cuda.synchronize()  # loads do not wait for the compute stream; the fills are done
+        torch.cuda.synchronize()
+        # Jobs follow the stream current at submit: the store is held by the gated stream, the
+        # loads are submitted from the (ungated) default stream.
         with torch.cuda.stream(compute):
             gate.close_on(compute)
             assert r.engine.submit_store(1, [5], [7])  # held behind the gate
-            assert r.engine.submit_load(2, [7], [40])  # must wait for the store
-            assert r.engine.submit_load(3, [2], [41])  # must not
+        assert r.engine.submit_load(2, [7], [40])  # must wait for the store of slot 7
+        assert r.engine.submit_load(3, [2], [41])  # must not
         assert r.engine.wait([3], TIMEOUT)
         assert r.engine.wait([1, 2], timeout=0) is False
         assert set(r.results()) == {3}

@@ -5,7 +5,8 @@ return at once; `get_finished` reports each job exactly once; `wait` blocks on c
 
 Ordering and back-pressure:
 - one lane (CUDA stream / thread) per direction, so a load never queues behind stores (PCIe is
-  full duplex); a store is queued after everything the compute stream had queued at submit;
+  full duplex); every job is queued after everything the caller's current (compute) stream had
+  queued at submit: a store copies what the step wrote, a load never races a queued forward;
 - a job that touches what an unfinished job touches (a load of slots a store is still writing, a
   store of blocks a load is still filling, ...) goes on a spare lane that waits for exactly those
   jobs, so jobs on the direction's lane never wait for it;
@@ -172,7 +173,10 @@ class TransferEngine:
                  if j.conflicts(is_store, gpu_set, slot_set) and not j.completion.done()]
         spare = bool(after)
         lane = self._take_spare() if spare else self._lanes[is_store]
-        if is_store and (marker := self.backend.mark_compute()) is not None:
+        # Both directions follow what the compute stream queued before submit: a store must copy
+        # what the step wrote; a load must not overwrite a block that a forward already queued
+        # (async scheduling runs the CPU a step ahead) may still read.
+        if (marker := self.backend.mark_compute()) is not None:
             after.append(marker)
         copy = (RowCopy(job_id, self._store_pairs, gpu, slots) if is_store
                 else RowCopy(job_id, self._load_pairs, slots, gpu))
