@@ -9,6 +9,7 @@ import sys
 # subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
 _SUBCOMMANDS = {
     "backends": "kvconnector.registry",
+    "bench": "kvconnector.bench",
     "store": "transfer.remote.cli",
 }
 

@@ -1,0 +1,124 @@
+"""Same-run baselines every figure is divided by.
+
+- one large copy each way (pinned host <-> GPU; host <-> host on a CPU): the one-way ceiling;
+- two opposite large copies at once (two CUDA streams; two threads on a CPU): bidirectional.
+  On a CPU the copies run on worker threads, as the engine's CPU lanes run theirs;
+- one plain copy call (cudaMemcpyAsync through cuda-bindings; a CPU Tensor.copy_) of a small page:
+  the host cost a per-block submit is held against.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+CEILING_COPY_BYTES = 2 << 30  # DESIGN.md's ceilings are 2 GiB copies
+PLAIN_CALL_BYTES = 4096
+PLAIN_CALLS = 1000
+
+
+@dataclass
+class Ceilings:
+    copy_bytes: int
+    h2d_gbps: float  # host -> device (a load)
+    d2h_gbps: float  # device -> host (a store)
+    bidir_gbps: float  # both copies' bytes over the time both took
+    plain_call_us: float  # host time of one plain copy call
+    plain_call: str  # what that call was
+
+    def one_way(self, direction: str) -> float:
+        return self.h2d_gbps if direction == "load" else self.d2h_gbps
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device, repeats: int) -> list[float]:
+    """Wall seconds of `fn` (device work included), one untimed warm-up first."""
+    fn()
+    sync(device)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(device_arena: torch.Tensor, host_arena: torch.Tensor, repeats: int) -> Ceilings:
+    """Ceilings over the first bytes of two 1-D uint8 arenas (each holds two copy regions)."""
+    device = device_arena.device
+    size = min(CEILING_COPY_BYTES, device_arena.numel() // 2, host_arena.numel() // 2)
+    d0, d1 = device_arena[:size], device_arena[size: 2 * size]
+    h0, h1 = host_arena[:size], host_arena[size: 2 * size]
+    if device.type == "cuda":
+        h2d = statistics.median(timed(lambda: d0.copy_(h0, non_blocking=True), device, repeats))
+        d2h = statistics.median(timed(lambda: h0.copy_(d0, non_blocking=True), device, repeats))
+        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+        def both() -> None:
+            for s in streams:
+                s.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(streams[0]):
+                d0.copy_(h0, non_blocking=True)
+            with torch.cuda.stream(streams[1]):
+                h1.copy_(d1, non_blocking=True)
+            for s in streams:
+                torch.cuda.current_stream(device).wait_stream(s)
+
+        bidir = statistics.median(timed(both, device, repeats))
+    else:
+        # Worker threads, one per direction, as the engine's CPU lanes copy.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-ceiling") as lanes:
+            h2d = statistics.median(timed(lambda: lanes.submit(d0.copy_, h0).result(), device,
+                                          repeats))
+            d2h = statistics.median(timed(lambda: lanes.submit(h0.copy_, d0).result(), device,
+                                          repeats))
+
+            def both() -> None:
+                jobs = [lanes.submit(d0.copy_, h0), lanes.submit(h1.copy_, d1)]
+                for job in jobs:
+                    job.result()
+
+            bidir = statistics.median(timed(both, device, repeats))
+    call_us, call_name = plain_call_us(device_arena, host_arena, repeats)
+    return Ceilings(size, size / h2d / 1e9, size / d2h / 1e9, 2 * size / bidir / 1e9,
+                    call_us, call_name)
+
+
+def plain_call_us(device_arena: torch.Tensor, host_arena: torch.Tensor,
+                  repeats: int) -> tuple[float, str]:
+    """Median host microseconds of one plain copy call of PLAIN_CALL_BYTES."""
+    device = device_arena.device
+    n = PLAIN_CALL_BYTES
+    if device.type != "cuda":
+        dst, src = device_arena[:n], host_arena[:n]
+        per_round = timed(lambda: [dst.copy_(src) for _ in range(PLAIN_CALLS)], device, repeats)
+        return statistics.median(per_round) / PLAIN_CALLS * 1e6, "Tensor.copy_ 4 KiB host->host"
+    from cuda.bindings import runtime as cudart  # lazy: CUDA-only dependency
+
+    stream = torch.cuda.Stream(device)
+    dst, src = device_arena.data_ptr(), host_arena.data_ptr()
+    kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
+    samples = []
+    for _ in range(repeats + 1):  # the first round warms up
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(PLAIN_CALLS):
+            err, = cudart.cudaMemcpyAsync(dst + i * n, src + i * n, n, kind, stream.cuda_stream)
+        samples.append((time.perf_counter() - t0) / PLAIN_CALLS)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemcpyAsync failed: {err}")
+    torch.cuda.synchronize(device)
+    return statistics.median(samples[1:]) * 1e6, "cudaMemcpyAsync 4 KiB pinned->GPU (cuda-bindings)"

@@ -1,0 +1,248 @@
+"""`kvconnector bench`: flags, sizing, the run with its progress bar, and the record it leaves."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from kvconnector.bench.presets import KV_DTYPES, PRESETS, build_cases
+from kvconnector.bench.sizing import (
+    BenchError,
+    blocks_for_tokens,
+    cgroup_memory_left,
+    format_bytes,
+    jobs_blocks,
+    parse_size,
+)
+
+DEFAULT_BLOCKS = 1024
+DEFAULT_BUDGET = {"cuda": "24G", "cpu": "512M"}  # both sides; CPU: the process stays < 1 GiB
+DEFAULT_PREFIX_TOKENS = 16384
+SEED = 0
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure block offload throughput (block-major vs vLLM's layer-major)",
+        description="Measure GPU <-> pinned CPU pool block copies (host <-> host without a GPU) "
+                    "for block-major caches beside vLLM's layer-major batched copies, against "
+                    "same-run ceilings; then the remote tier on loopback.")
+    p.error = _one_line_error  # type: ignore[method-assign]
+    p.add_argument("--preset", default="all",
+                   help=f"comma list of {', '.join(PRESETS)}, or 'all' (default)")
+    p.add_argument("--kv-dtype", default="bf16",
+                   help=f"comma list of KV cache dtypes: {', '.join(KV_DTYPES)} (default bf16)")
+    p.add_argument("--block-size", type=_int_list, default=None, metavar="TOKENS[,TOKENS]",
+                   help="tokens per block, overriding the presets' (vLLM's) block size")
+    shape = p.add_argument_group("explicit shape (instead of --preset)")
+    shape.add_argument("--layers", type=int)
+    shape.add_argument("--kv-heads", type=int, help="KV heads per rank")
+    shape.add_argument("--head-size", type=int, help="head size (MLA: latent + rope)")
+    shape.add_argument("--mla", action="store_true", help="an MLA cache (one latent, no V)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help=f"blocks per job (default {DEFAULT_BLOCKS}, fewer if the budget is short)")
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="memory for the cache side and the host pool together "
+                        f"(default {DEFAULT_BUDGET['cuda']} with a GPU, {DEFAULT_BUDGET['cpu']} "
+                        "without)")
+    p.add_argument("--prefix-tokens", type=int, default=None,
+                   help=f"prefix length for the load-time figure (default {DEFAULT_PREFIX_TOKENS},"
+                        " less if the budget is short)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the full record as JSON")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG: GB/s vs block size")
+    p.set_defaults(func=run)
+
+
+def _one_line_error(message: str) -> NoReturn:
+    print(f"kvconnector bench: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"kvconnector bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _split(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _cases(args: argparse.Namespace) -> list[Any]:
+    explicit = (args.layers, args.kv_heads, args.head_size)
+    if any(v is not None for v in explicit) or args.mla:
+        if any(v is None for v in explicit):
+            raise BenchError("an explicit shape needs --layers, --kv-heads and --head-size")
+        if args.preset != "all":
+            raise BenchError("give --preset or an explicit shape, not both")
+    for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads),
+                        ("--head-size", args.head_size), ("--blocks", args.blocks),
+                        ("--prefix-tokens", args.prefix_tokens), ("--repeats", args.repeats),
+                        *(("--block-size", n) for n in args.block_size or [])):
+        if value is not None and value <= 0:
+            raise BenchError(f"{flag} must be a positive integer, got {value}")
+    presets = list(PRESETS) if args.preset == "all" else _split(args.preset)
+    shape = explicit if explicit[0] is not None else None
+    try:
+        return build_cases(presets, _split(args.kv_dtype), args.block_size, shape, args.mla)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+
+
+def _budget(args: argparse.Namespace, device: torch.device) -> int:
+    try:
+        budget = parse_size(args.budget or DEFAULT_BUDGET[device.type])
+    except ValueError as exc:
+        raise BenchError(f"--budget: {exc}") from None
+    host_need = budget if device.type == "cpu" else budget // 2
+    left = cgroup_memory_left()
+    if left is not None and host_need > left:
+        raise BenchError(f"--budget {format_bytes(budget)} needs {format_bytes(host_need)} of "
+                         f"host memory; the cgroup allows {format_bytes(left)} more")
+    return budget
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} (CPU only)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} (CPU only)"
+
+
+def _command(args: argparse.Namespace, budget: str) -> str:
+    """The effective command line, every choice spelled out, for docs/benchmarks.md."""
+    parts = ["kvconnector", "bench"]
+    if args.layers is not None:
+        parts += ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
+                  "--head-size", str(args.head_size)] + (["--mla"] if args.mla else [])
+    else:
+        parts += ["--preset", args.preset]
+    parts += ["--kv-dtype", args.kv_dtype]
+    if args.block_size:
+        parts += ["--block-size", ",".join(map(str, args.block_size))]
+    for flag, value in (("--blocks", args.blocks), ("--budget", budget),
+                        ("--prefix-tokens", args.prefix_tokens), ("--repeats", args.repeats),
+                        ("--json", args.json), ("--plot", args.plot)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return " ".join(parts)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    # The measuring modules pull in the transfer engine; `kvconnector --help` should not.
+    from kvconnector.bench import ceilings as ceilings_mod
+    from kvconnector.bench.remote import measure_remote, remote_steps
+    from kvconnector.bench.runner import (
+        LAYOUTS,
+        STEPS_PER_LAYOUT,
+        allocate_arenas,
+        case_capacity,
+        run_case,
+    )
+
+    cases = _cases(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    budget = _budget(args, device)
+    for path in (args.json, args.plot):
+        if path is not None and not path.parent.is_dir():
+            raise BenchError(f"no directory {str(path.parent)!r} for {path}")
+    out, err = Console(), Console(stderr=True)
+    if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
+        out = Console(width=200)
+    if device.type == "cpu":
+        out.print("[bold]No CUDA device:[/] CPU path, host-to-host copies through the same "
+                  "engine plus the remote tier; rates are memory bandwidth, not PCIe.")
+
+    arenas = allocate_arenas(budget // 2, device)
+    try:
+        plan = []
+        for case in cases:
+            capacity = case_capacity(case, arenas)
+            if capacity < 2:
+                raise BenchError(f"budget {format_bytes(budget)} holds no two "
+                                 f"{format_bytes(case.layout.block_bytes)} blocks of "
+                                 f"{case.name} per side; raise --budget")
+            try:
+                blocks = jobs_blocks(capacity, args.blocks, DEFAULT_BLOCKS)
+            except ValueError as exc:
+                raise BenchError(f"{case.name}: {exc}") from None
+            max_tokens = (capacity // 2) * case.layout.block_size
+            tokens = args.prefix_tokens or min(DEFAULT_PREFIX_TOKENS, max_tokens)
+            if blocks_for_tokens(tokens, case.layout.block_size) > capacity // 2:
+                raise BenchError(f"{case.name}: --prefix-tokens {tokens} needs more than the "
+                                 f"{max_tokens} tokens the budget holds; raise --budget")
+            plan.append((case, blocks, tokens))
+
+        total = 1 + len(cases) * len(LAYOUTS) * STEPS_PER_LAYOUT + remote_steps(len(cases))
+        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as progress:
+            task = progress.add_task("ceilings", total=total)
+
+            def step(desc: str) -> None:
+                progress.update(task, description=desc, advance=1)
+
+            progress.update(task, description="ceilings")
+            ceilings = ceilings_mod.measure(arenas.device, arenas.host, args.repeats)
+            results = []
+            for case, blocks, tokens in plan:
+                results.append(run_case(case, arenas, ceilings, blocks, tokens,
+                                        args.repeats, SEED, step).as_dict())
+            remote = measure_remote(plan, arenas.host, budget, args.repeats, step)
+            progress.update(task, completed=total)
+        mover_name = results[0]["mover"] if results else ""
+        record = {
+            "meta": {
+                "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "host": platform.node(),
+                "device": _device_name(device),
+                "device_type": device.type,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "command": _command(args, args.budget or DEFAULT_BUDGET[device.type]),
+                "mover": mover_name,
+                "budget_bytes": budget,
+                "arenas_ready_s": arenas.ready_s,
+                "repeats": args.repeats,
+                "ids": "random, non-adjacent within a job; bidirectional sets disjoint",
+            },
+            "ceilings": ceilings.as_dict(),
+            "cases": results,
+            "remote": remote,
+        }
+    finally:
+        arenas.close()
+
+    from kvconnector.bench.report import print_report, write_json, write_plot
+
+    print_report(record, out)
+    if args.json is not None:
+        write_json(record, args.json)
+        out.print(f"wrote {args.json}")
+    if args.plot is not None:
+        write_plot(record, args.plot)
+        out.print(f"wrote {args.plot}")
+    return 0

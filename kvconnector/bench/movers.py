@@ -1,0 +1,64 @@
+"""The copy paths the benchmark drives, all through the transfer engine.
+
+Segments (transfer.copy_backends.Segment) pair device rows with pool rows: a block-major cache is
+one segment of whole blocks (one copy per block); the layer-major path vLLM uses is one segment
+per layer of pages (one copy per layer per block), each landing in its place inside the slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kvconnector.allocator import KVBuffer
+from transfer.copy_backends import Segment, make_backend
+from transfer.engine import TransferEngine
+from transfer.pool import HostPool
+
+
+def layer_rows(cache: KVBuffer) -> list[torch.Tensor]:
+    """Per-layer (num_blocks, page_bytes) row views of a layer-outermost cache."""
+    lay = cache.layout
+    if lay.order[0] != "L":
+        raise ValueError(f"per-layer rows need an L-outermost order, got {lay.order}")
+    page, nb = lay.page_bytes, cache.num_blocks
+    return [torch.as_strided(cache.raw, (nb, page), (page, 1),
+                             cache.raw.storage_offset() + layer * nb * page)
+            for layer in range(lay.num_layers)]
+
+
+def segments_for(cache: KVBuffer, pool: HostPool) -> list[Segment]:
+    """Block-major cache: one segment of blocks; layer-major: one segment of pages per layer."""
+    chunks = [cache.block_chunks()] if cache.layout.is_block_major else layer_rows(cache)
+    return pool.segments(chunks)
+
+
+class EngineMover:
+    """Jobs on a TransferEngine; `store`/`load` return job ids, `wait` raises if one failed."""
+
+    def __init__(self, segments: list[Segment], backend: str = "auto") -> None:
+        device = segments[0].gpu.device
+        self.engine = TransferEngine(segments, make_backend(backend, device))
+        self.name = f"transfer engine, {self.engine.backend.name} backend"
+        self._ids = itertools.count()
+
+    def store(self, dev_ids: list[int], host_ids: list[int]) -> int:
+        job = next(self._ids)
+        if not self.engine.submit_store(job, dev_ids, host_ids):
+            raise RuntimeError(f"store job {job} was dropped: the benchmark never overlaps stores")
+        return job
+
+    def load(self, host_ids: list[int], dev_ids: list[int]) -> int:
+        job = next(self._ids)
+        self.engine.submit_load(job, host_ids, dev_ids)
+        return job
+
+    def wait(self, jobs: list[int]) -> None:
+        self.engine.wait(jobs)
+        failed = [r.job_id for r in self.engine.get_finished() if not r.ok]
+        if failed:
+            raise RuntimeError(f"transfer jobs {failed} failed")
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,134 @@
+"""The run's record: a rich table on stdout, a JSON file, and a PNG plot.
+
+rich and matplotlib are imported here only, lazily, so `kvconnector` works without the bench extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvconnector.bench.sizing import format_bytes
+
+LAYOUT_LABELS = {"block_major": "block-major", "layer_major": "layer-major"}
+
+
+def _gb(rate: dict[str, Any]) -> str:
+    return f"{rate['gbps']:.2f} ({rate['ratio']:.2f})"
+
+
+def print_report(record: dict[str, Any], console: Any) -> None:
+    """Ceilings line, one row per case and layout, then the remote tier."""
+    from rich.table import Table
+
+    c = record["ceilings"]
+    console.print(
+        f"ceilings ({format_bytes(c['copy_bytes'])} copies): load {c['h2d_gbps']:.2f} GB/s, "
+        f"store {c['d2h_gbps']:.2f} GB/s, both at once {c['bidir_gbps']:.2f} GB/s; "
+        f"one plain copy call {c['plain_call_us']:.2f} us ({c['plain_call']})")
+    side = "GPU" if record["meta"]["device_type"] == "cuda" else "host"
+    table = Table(title=f"kvconnector bench: {record['meta']['mover']}, random non-adjacent ids",
+                  caption=f"load: pool -> {side} cache; store: {side} cache -> pool; both: "
+                          "the two at once. GB/s (ratio of the same-run ceiling); host us per "
+                          "block submitted (ratio of one plain copy call); prefix load ms "
+                          "(ratio: ideal at the load ceiling / measured). layer-major: one copy "
+                          "per layer per block, vLLM's way.")
+    for col in ("case", "layout", "copy", "blocks", "load", "store", "both", "host us/block",
+                "prefix tokens", "prefix ms"):
+        table.add_column(col, justify="left" if col in ("case", "layout") else "right")
+    for case in record["cases"]:
+        for i, (name, r) in enumerate(case["layouts"].items()):
+            table.add_row(
+                case["case"]["name"] if i == 0 else "", LAYOUT_LABELS[name],
+                format_bytes(r["row_bytes"]), str(case["blocks"]), _gb(r["h2d"]), _gb(r["d2h"]),
+                _gb(r["bidir"]), f"{r['host_us_per_block']:.2f} ({r['host_ratio']:.2f})",
+                str(r["prefix_tokens"]), f"{r['prefix_ms']:.1f} ({r['prefix_ratio']:.2f})",
+                end_section=i == len(case["layouts"]) - 1)
+    console.print(table)
+    remote = record.get("remote")
+    if remote is None:
+        return
+    if remote.get("skipped"):
+        console.print(f"remote tier: skipped ({remote['skipped']})")
+        return
+    rt = Table(title="remote tier: in-process store on loopback, put/get of pool blocks",
+               caption="GB/s (ratio of a raw pyzmq stream of the same blocks with the same "
+                       "security, same run)")
+    for col in ("case", "security", "block", "blocks", "put", "get", "raw put", "raw get"):
+        rt.add_column(col, justify="left" if col in ("case", "security") else "right")
+    for row in remote["rows"]:
+        head = [row["case"], row["security"], format_bytes(row["block_bytes"]), str(row["blocks"])]
+        if "error" in row:
+            rt.add_row(*head, "[red]failed[/]", "[red]failed[/]", "", "")
+            continue
+        rt.add_row(*head, _gb(row["put"]), _gb(row["get"]), f"{row['baseline_put_gbps']:.2f}",
+                   f"{row['baseline_get_gbps']:.2f}")
+    console.print(rt)
+    for row in remote["rows"]:
+        if "error" in row:
+            console.print(f"[red]remote {row['case']} {row['security']} failed:[/] {row['error']}",
+                          highlight=False)
+
+
+def write_json(record: dict[str, Any], path: Path) -> None:
+    _atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def write_plot(record: dict[str, Any], path: Path) -> None:
+    """Throughput against block size: both layouts, one way and bidirectional, ceilings drawn."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ceil = record["ceilings"]
+    cases = sorted(record["cases"], key=lambda c: c["case"]["block_bytes"])
+    x = [c["case"]["block_bytes"] / 2**20 for c in cases]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    # Markers only: the cases are different models, not one curve.
+    styles = {"block_major": "o", "layer_major": "s"}
+    for name, style in styles.items():
+        for key, color in (("h2d", "tab:blue"), ("d2h", "tab:orange")):
+            ax1.plot(x, [c["layouts"][name][key]["gbps"] for c in cases], style, color=color,
+                     label=f"{LAYOUT_LABELS[name]} {'load' if key == 'h2d' else 'store'}",
+                     fillstyle="full" if name == "block_major" else "none")
+        ax2.plot(x, [c["layouts"][name]["bidir"]["gbps"] for c in cases], style,
+                 color="tab:green", label=LAYOUT_LABELS[name],
+                 fillstyle="full" if name == "block_major" else "none")
+    ax1.axhline(ceil["h2d_gbps"], color="tab:blue", lw=0.8, ls=":", label="ceiling load")
+    ax1.axhline(ceil["d2h_gbps"], color="tab:orange", lw=0.8, ls=":", label="ceiling store")
+    ax2.axhline(ceil["bidir_gbps"], color="tab:green", lw=0.8, ls=":", label="ceiling both ways")
+    for ax, title in ((ax1, "one way"), (ax2, "bidirectional")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_xlabel("block size over all layers (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    for c, xv in zip(cases, x, strict=True):  # name each case at its block-major load point
+        ax1.annotate(c["case"]["name"], (xv, c["layouts"]["block_major"]["h2d"]["gbps"]),
+                     textcoords="offset points", xytext=(0, 6), fontsize=7, rotation=30)
+    ax1.set_ylabel("GB/s")
+    meta = record["meta"]
+    fig.suptitle(f"kvconnector bench on {meta['device']} ({meta['date']}): {meta['mover']}")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")  # *.png.tmp is git-ignored
+    fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,230 @@
+"""Measure one case: both layouts, one way each direction, bidirectional, host cost, prefix load.
+
+Buffers are carved out of two arenas allocated once per run (the device cache side and the host
+pool side), so pinning cost is paid once and every case sees the same memory.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvconnector.allocator import KVBuffer, allocate
+from kvconnector.bench.ceilings import Ceilings
+from kvconnector.bench.movers import EngineMover, segments_for
+from kvconnector.bench.presets import Case
+from kvconnector.bench.sizing import (
+    BenchError,
+    blocks_for_tokens,
+    disjoint_id_sets,
+    format_bytes,
+)
+from kvconnector.layout import HOST_ALIGNMENT, KVForm, KVLayout
+from transfer.copy_backends import Segment
+from transfer.pool import HostPool
+
+_ARENA_ROW = 1 << 20  # arenas are allocated as rows of 1 MiB
+CHECKED_BLOCKS = 4  # blocks whose bytes are compared after the warm-up round trip
+LAYOUTS = ("block_major", "layer_major")
+STEPS_PER_LAYOUT = 4  # check + one way, bidirectional, prefix: for the progress bar
+
+@dataclass
+class Arenas:
+    device: torch.Tensor  # 1-D uint8: GPU memory, or host memory standing in for it on a CPU
+    host: torch.Tensor  # 1-D uint8: pinned on CUDA
+    pinned: bool
+    ready_s: float  # time to allocate, first-touch and pin both
+    _keep: list[KVBuffer] = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        for buf in self._keep:
+            buf.close()
+        self._keep = []
+
+
+def allocate_arenas(side_bytes: int, device: torch.device) -> Arenas:
+    """Two arenas of `side_bytes` each; BenchError (exit 2) when memory cannot be had."""
+    rows = side_bytes // _ARENA_ROW
+    if rows < 2:
+        raise BenchError(f"budget per side {format_bytes(side_bytes)} is below 2 MiB")
+    arena = KVLayout(1, 1, _ARENA_ROW, 1, torch.uint8, KVForm.MLA, "BLNHC")
+    t0 = time.perf_counter()
+    keep: list[KVBuffer] = []
+    try:
+        keep.append(allocate(arena, num_blocks=rows, device=device))
+        keep.append(allocate(arena, num_blocks=rows, device="cpu", pinned=device.type == "cuda"))
+    except (OSError, MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        for buf in keep:
+            buf.close()
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BenchError(f"cannot allocate 2 x {format_bytes(rows * _ARENA_ROW)} "
+                         f"({device.type} + host): {reason}") from None
+    return Arenas(keep[0].raw, keep[1].raw, keep[1].pinned, time.perf_counter() - t0, keep)
+
+
+def case_capacity(case: Case, arenas: Arenas) -> int:
+    """Blocks one side holds (same count on both sides)."""
+    lay = case.layout.with_alignment(HOST_ALIGNMENT)
+    return min(arenas.device.numel(), arenas.host.numel()) // lay.block_stride_bytes
+
+
+def case_segments(case: Case, arenas: Arenas, capacity: int, layer_major: bool) -> list[Segment]:
+    """A cache of `capacity` blocks in the device arena and a pool of as many in the host arena."""
+    pool_layout = case.layout.with_alignment(HOST_ALIGNMENT)
+    cache_layout = case.layer_major if layer_major else pool_layout
+    cache_raw = arenas.device[: cache_layout.buffer_bytes(capacity)]
+    pool_raw = arenas.host[: pool_layout.buffer_bytes(capacity)]
+    cache = KVBuffer(cache_layout, capacity, cache_raw)
+    pool = HostPool(KVBuffer(pool_layout, capacity, pool_raw, pinned=arenas.pinned))
+    return segments_for(cache, pool)
+
+
+@dataclass
+class Rate:
+    gbps: float
+    ratio: float  # of the same-run ceiling
+    seconds: list[float]  # every timed repeat; gbps uses the median
+
+
+@dataclass
+class LayoutResult:
+    row_bytes: int  # bytes per copy: the block (block-major) or the page (layer-major)
+    copies_per_job: int
+    h2d: Rate
+    d2h: Rate
+    bidir: Rate
+    host_us_per_block: float  # host time inside submit calls, per block submitted
+    host_ratio: float  # of one plain copy call
+    prefix_tokens: int
+    prefix_blocks: int
+    prefix_ms: float
+    prefix_ratio: float  # ideal time at the load ceiling / measured time
+
+
+@dataclass
+class CaseResult:
+    case: dict[str, object]
+    capacity: int
+    blocks: int
+    mover: str
+    layouts: dict[str, LayoutResult]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _rate(nbytes: int, seconds: list[float], ceiling_gbps: float) -> Rate:
+    gbps = nbytes / statistics.median(seconds) / 1e9
+    return Rate(gbps, gbps / ceiling_gbps, seconds)
+
+
+def run_case(case: Case, arenas: Arenas, ceilings: Ceilings, blocks: int, prefix_tokens: int,
+             repeats: int, seed: int, step: Callable[[str], None]) -> CaseResult:
+    capacity = case_capacity(case, arenas)
+    rng = random.Random(seed)
+    ids = {side: disjoint_id_sets(rng, blocks, capacity) for side in ("dev", "host")}
+    prefix_blocks = blocks_for_tokens(prefix_tokens, case.layout.block_size)
+    prefix = {side: rng.sample(range(0, capacity, 2), prefix_blocks) for side in ("dev", "host")}
+    results = {}
+    mover_name = ""
+    for name in LAYOUTS:
+        segments = case_segments(case, arenas, capacity, layer_major=name == "layer_major")
+        mover = EngineMover(segments)
+        mover_name = mover.name
+        try:
+            results[name] = _measure_layout(case, segments, mover, ceilings, ids, prefix,
+                                            prefix_tokens, repeats, step, name)
+        finally:
+            mover.close()
+    return CaseResult(case.describe(), capacity, blocks, mover_name, results)
+
+
+def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
+                    ceilings: Ceilings,
+                    ids: dict[str, tuple[list[int], list[int]]],
+                    prefix: dict[str, list[int]], prefix_tokens: int, repeats: int,
+                    step: Callable[[str], None], name: str) -> LayoutResult:
+    (a_dev, b_dev), (a_host, b_host) = ids["dev"], ids["host"]
+    block_bytes = case.layout.block_bytes
+    job_bytes = len(a_dev) * block_bytes
+    label = f"{case.name} {name.replace('_', '-')}"
+
+    step(f"{label}: round-trip check")
+    check_round_trip(segments, mover, a_dev, a_host, b_dev)
+
+    step(f"{label}: one way")
+    submit_s: list[float] = []
+
+    def one_job(submit: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        job = submit()
+        t1 = time.perf_counter()
+        mover.wait([job])
+        submit_s.append(t1 - t0)
+        return time.perf_counter() - t0
+
+    h2d, d2h = [], []
+    for _ in range(repeats):
+        d2h.append(one_job(lambda: mover.store(a_dev, a_host)))
+        h2d.append(one_job(lambda: mover.load(a_host, a_dev)))
+
+    step(f"{label}: bidirectional")
+    bidir = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jobs = [mover.store(a_dev, a_host), mover.load(b_host, b_dev)]
+        mover.wait(jobs)
+        bidir.append(time.perf_counter() - t0)
+
+    step(f"{label}: prefix load")
+    prefix_s = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mover.wait([mover.load(prefix["host"], prefix["dev"])])
+        prefix_s.append(time.perf_counter() - t0)
+    prefix_med = statistics.median(prefix_s)
+    ideal = len(prefix["dev"]) * block_bytes / (ceilings.h2d_gbps * 1e9)
+
+    host_us = statistics.median(submit_s) / len(a_dev) * 1e6
+    return LayoutResult(
+        row_bytes=segments[0].nbytes,
+        copies_per_job=len(segments) * len(a_dev),
+        h2d=_rate(job_bytes, h2d, ceilings.h2d_gbps),
+        d2h=_rate(job_bytes, d2h, ceilings.d2h_gbps),
+        bidir=_rate(2 * job_bytes, bidir, ceilings.bidir_gbps),
+        host_us_per_block=host_us,
+        host_ratio=host_us / ceilings.plain_call_us,
+        prefix_tokens=prefix_tokens,
+        prefix_blocks=len(prefix["dev"]),
+        prefix_ms=prefix_med * 1e3,
+        prefix_ratio=ideal / prefix_med,
+    )
+
+
+def check_round_trip(segments: list[Segment], mover: EngineMover, a_dev: list[int],
+                     a_host: list[int], b_dev: list[int]) -> None:
+    """Random bytes into a few device blocks, store them, load them elsewhere, compare every byte.
+
+    Also the warm-up: the first jobs on a fresh mover pay one-time costs outside the timings.
+    """
+    n = min(CHECKED_BLOCKS, len(a_dev))
+    device = segments[0].gpu.device
+    gen = torch.Generator(device=device).manual_seed(n)
+    for seg in segments:
+        for d in a_dev[:n]:
+            seg.gpu[d].copy_(torch.randint(0, 256, seg.gpu[d].shape, dtype=torch.uint8,
+                                           generator=gen, device=device))
+    mover.wait([mover.store(a_dev, a_host)])
+    mover.wait([mover.load(a_host, b_dev)])
+    for layer, seg in enumerate(segments):
+        for i in range(n):
+            sent = seg.gpu[a_dev[i]].cpu()
+            if not (torch.equal(seg.host[a_host[i]], sent)
+                    and torch.equal(seg.gpu[b_dev[i]].cpu(), sent)):
+                raise RuntimeError(f"copy check failed: block {a_dev[i]} -> slot {a_host[i]} "
+                                   f"-> block {b_dev[i]} differs (segment {layer})")

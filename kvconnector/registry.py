@@ -1,0 +1,481 @@
+"""Backend registry: which attention backends may read per-layer views of a block-major buffer.
+
+A per-layer view into a block-major buffer has a block stride of about num_layers x page. Kernels
+that read stride(block) handle it; kernels that compute page addresses as block x page size read
+another layer and the model answers garbage with no error. So a backend is opted in only on
+evidence (a source citation or our own kernel check), and every name not recorded here is out.
+
+Layouts are named as vLLM names them (kvconnector.layout). For a vLLM backend the layouts it
+accepts come from vLLM's own `supported_kv_cache_layouts()` when vLLM is importable (None meaning
+any), else from the record below, taken from vLLM 0.32.0. vLLM is imported lazily, only when such
+a lookup runs: importing this module never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from kvconnector.layout import ALL_ORDERS, BLOCK_MAJOR_ORDERS
+from kvconnector.views import ViewKind
+
+RECORDED_VLLM_VERSION = "0.32.0"
+_V = "vllm/v1/attention/backends/"  # where the cited sources live
+_B = "vllm.v1.attention.backends."  # where the backend classes live
+# Block-outermost layouts whose per-layer view keeps each head's (N, C) rows one dense run.
+_HEAD_MAJOR_INTERIORS = ("BLHNC", "BHLNC")
+
+
+class ConstraintKind(str, Enum):
+    """What a constraint does to a decision (see `decide`)."""
+
+    TMA_ALIGNMENT = "tma_alignment"  # a requirement on the views (kvconnector.views meets it)
+    FP8_DEQUANT_CONTIGUOUS = "fp8_dequant_contiguous"  # fp8 KV dtypes: head-major interiors only
+    PER_TOKEN_HEAD_SCALES = "per_token_head_scales"  # *_per_token_head KV dtypes: refused
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A condition a backend's kernels put on the views, with its source."""
+
+    kind: ConstraintKind
+    detail: str
+    evidence: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ConstraintKind(self.kind))
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """What we know about one attention backend, and on what evidence.
+
+    `layouts`: the declared layout set, most preferred first (None: any), as vLLM's
+    `supported_kv_cache_layouts()` returns it; `layouts_by_cc` overrides it on given
+    compute-capability majors; `vllm_class`: where vLLM defines the backend, for live lookups.
+    """
+
+    name: str
+    view: ViewKind
+    reads_strides: bool
+    evidence: str
+    layouts: tuple[str, ...] | None = None
+    layouts_by_cc: tuple[tuple[int, tuple[str, ...] | None], ...] = ()
+    constraints: tuple[Constraint, ...] = ()
+    vllm_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"backend name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.reads_strides, bool):
+            raise ValueError(f"backend {self.name!r}: reads_strides must be a bool, "
+                             f"got {self.reads_strides!r}")
+        if not isinstance(self.evidence, str) or not self.evidence:
+            raise ValueError(f"backend {self.name!r}: evidence must cite a source, "
+                             f"got {self.evidence!r}")
+        object.__setattr__(self, "view", ViewKind(self.view))
+        object.__setattr__(self, "layouts", _check_layouts(self.name, self.layouts))
+        object.__setattr__(self, "layouts_by_cc", tuple(
+            (int(major), _check_layouts(self.name, lay)) for major, lay in self.layouts_by_cc))
+        object.__setattr__(self, "constraints", tuple(self.constraints))
+
+    def layouts_for(self, compute_capability: tuple[int, int] | None = None
+                    ) -> tuple[str, ...] | None:
+        """The recorded set on `compute_capability`; when unknown, what every device accepts."""
+        if compute_capability is not None:
+            return dict(self.layouts_by_cc).get(compute_capability[0], self.layouts)
+        return _intersect([self.layouts, *(lay for _, lay in self.layouts_by_cc)])
+
+
+@dataclass(frozen=True)
+class DeclaredLayouts:
+    """The layouts a backend accepts, and where that answer came from."""
+
+    layouts: tuple[str, ...] | None  # None: any
+    source: str
+    live: bool = False  # read from the installed vLLM, not from our record
+
+    @property
+    def block_outermost(self) -> tuple[str, ...]:
+        """The block-outermost layouts accepted, in our preference order."""
+        return tuple(o for o in BLOCK_MAJOR_ORDERS if self.layouts is None or o in self.layouts)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a backend gets no block-outermost layout, and on what evidence."""
+
+    backend: str
+    reason: str
+    evidence: str
+
+
+@dataclass(frozen=True)
+class LayoutDecision:
+    """The block-outermost layout every backend accepts, or the refusals saying why none."""
+
+    layout: str | None
+    backends: tuple[str, ...]
+    refusals: tuple[Refusal, ...] = ()
+    requirements: tuple[str, ...] = ()  # what the views must still meet (e.g. TMA alignment)
+    layout_sources: tuple[tuple[str, str], ...] = ()  # (backend, where its layouts came from)
+
+    def explain(self) -> str:
+        if self.layout is not None:
+            return f"{self.layout} for {', '.join(self.backends)}"
+        return "no block-outermost layout: " + "; ".join(
+            f"{r.backend}: {r.reason} [{r.evidence}]" for r in self.refusals)
+
+
+def _check_layouts(name: str, layouts: Iterable[str] | None) -> tuple[str, ...] | None:
+    if layouts is None:
+        return None
+    if isinstance(layouts, str):
+        raise ValueError(f"backend {name!r}: layouts must be a collection, got {layouts!r}")
+    out = tuple(layouts)
+    for layout in out:
+        if layout not in ALL_ORDERS:
+            raise ValueError(f"backend {name!r}: unknown layout {layout!r}; known: {ALL_ORDERS}")
+    return out
+
+
+def _intersect(sets: list[tuple[str, ...] | None]) -> tuple[str, ...] | None:
+    known = [s for s in sets if s is not None]
+    return None if not known else tuple(o for o in known[0] if all(o in s for s in known[1:]))
+
+
+def _tma(evidence: str) -> Constraint:
+    return Constraint(ConstraintKind.TMA_ALIGNMENT, "TMA (Hopper/Blackwell) needs every "
+                      "non-outermost stride a multiple of 16 B: canonicalise size-1 strides",
+                      evidence)
+
+
+def _in(name: str, path: str, evidence: str, layouts: tuple[str, ...] | None = None,
+        *constraints: Constraint) -> BackendEntry:
+    # vLLM >= 0.32 gives every layer the [B, H, N, C] view (MLA: H = 1, C = latent + rope).
+    return BackendEntry(name, ViewKind.VLLM, True, evidence, layouts, (), constraints, _B + path)
+
+
+def _out(name: str, path: str, evidence: str, layouts: tuple[str, ...] | None = None
+         ) -> BackendEntry:
+    return BackendEntry(name, ViewKind.VLLM, False, evidence, layouts, vllm_class=_B + path)
+
+
+_DSV4_INDEXER = (
+    _V + "mla/indexer.py::DeepseekV4IndexerBackend.supported_kv_cache_layouts: block-outermost "
+    "only (indexer pages packed beside the MLA latent pages of each block); "
+    "indexer_k_quant_and_cache addresses blocks by kv_cache.stride(0), DeepGEMM "
+    "fp8_paged_mqa_logits reads strides (#45111)")
+_ROCM_MLA = "ROCm AITER MLA kernels not verified stride-aware; left layer-major upstream (#45111)"
+
+_SEED: tuple[BackendEntry, ...] = (
+    _in("FLASH_ATTN", "flash_attn.FlashAttentionBackend", _V + "flash_attn.py::FlashAttention"
+        "Impl.forward passes K/V views split from the layer cache; FlashAttention reads "
+        "k_batch_stride = kcache.stride(0) (#45111)", None,
+        _tma(_V + "flash_attn.py::FlashAttentionImpl.forward canonicalize_singleton_dim_strides "
+             "(#40737)")),
+    _in("TRITON_ATTN", "triton_attn.TritonAttentionBackend", "vllm/v1/attention/ops/"
+        "triton_unified_attention.py::unified_attention passes stride_k_cache_0..3 = "
+        "k.stride(0..3) to the kernel", None,
+        Constraint(ConstraintKind.PER_TOKEN_HEAD_SCALES, "per-token-head KV dtypes pack inline "
+                   "fp32 scales into each row: not safe to view across layers",
+                   _V + "triton_attn.py::TritonAttentionBackend.customize_spec")),
+    BackendEntry(
+        "FLASHINFER", ViewKind.VLLM, True,
+        _V + "flashinfer.py::FlashInferBackend.supported_kv_cache_layouts (cc 10: LBHNC, "
+        "BLHNC); trtllm-gen kernels read key_cache.stride(0/-2/-3) (#34158); flashinfer 0.7 "
+        "csrc/batch_decode.cu::BatchDecodeWithPagedKVCacheRun builds paged_kv_t from "
+        "paged_k_cache.strides()",
+        layouts_by_cc=((10, ("LBHNC", "BLHNC")),),
+        constraints=(
+            _tma(_V + "flashinfer.py::FlashInferImpl.forward canonicalize_singleton_dim_strides "
+                 "(#40737, flashinfer#2232)"),
+            Constraint(ConstraintKind.FP8_DEQUANT_CONTIGUOUS, "fp8 KV with a bf16 query "
+                       "dequantises (trtllm-gen prefill) through a kernel that views the cache "
+                       "as (B, 2, H, N, D) with dense (N, D) rows; applied on every device",
+                       _V + "flashinfer.py::trtllm_prefill_attn_kvfp8_dequant (#34158; "
+                       "stride-aware since #36867)"),
+        ),
+        vllm_class=_B + "flashinfer.FlashInferBackend"),
+    _in("TRITON_MLA", "mla.triton_mla.TritonMLABackend", "vllm/v1/attention/ops/"
+        "triton_decode_attention.py::_page_stride: decode reads the page-dim stride (#45111)"),
+    _in("FLASHMLA", "mla.flashmla.FlashMLABackend",
+        "FlashMLA dense decode reads kcache.stride(0) (#45111)"),
+    _in("FLASH_ATTN_MLA", "mla.flashattn_mla.FlashAttnMLABackend",
+        "FA3 reads k_batch_stride = kcache.stride(0) (#45111)", None,
+        _tma("FA3/FA4 use TMA on Hopper+ (#40737); MLA's single latent head is a size-1 dim")),
+    _in("CUTLASS_MLA", "mla.cutlass_mla.CutlassMLABackend", "csrc sm100_cutlass_mla_kernel.cu "
+        "builds stride_C from kv_c_and_k_pe_cache.stride(0)/stride(1) (#45111)"),
+    _in("FLASHINFER_MLA", "mla.flashinfer_mla.FlashInferMLABackend", "trtllm_batch_decode_with_"
+        "kv_cache_mla bit-exact on a strided per-layer view, bf16 and fp8 (#45111)"),
+    _in("DEEPSEEK_V4_INDEXER", "mla.indexer.DeepseekV4IndexerBackend", _DSV4_INDEXER,
+        ("BLHNC", "BLNHC")),
+    _in("DEEPSEEK_V41_INDEXER", "mla.indexer.DeepseekV41IndexerBackend", _DSV4_INDEXER,
+        ("BLHNC", "BLNHC")),
+    _in("DEEPSEEK_V41_SPARSE_INDEXER", "mla.sparse_indexer.DeepseekV41SparseIndexerBackend",
+        _DSV4_INDEXER, ("BLHNC", "BLNHC")),
+    _out("FLEX_ATTENTION", "flex_attention.FlexAttentionBackend", _V + "flex_attention.py::"
+         "FlexAttentionBackend.supported_kv_cache_layouts: LBNHC only (flattens B and N into "
+         "one token dim)", ("LBNHC",)),
+    _out("CPU_ATTN", "cpu_attn.CPUAttentionBackend",
+         _V + "cpu_attn.py::CPUAttentionBackend.supported_kv_cache_layouts: LBHNC only",
+         ("LBHNC",)),
+    _out("CPU_MLA", "mla.cpu_mla.CPUMLABackend", "CPU MLA kernels not checked for strides"),
+    _out("ROCM_ATTN", "rocm_attn.RocmAttentionBackend", _V + "rocm_attn.py::RocmAttention"
+         "Backend.supported_kv_cache_layouts: native HIP kernels hardcode group-contiguous "
+         "block addressing", ("LHBNC", "LBHNC")),
+    _out("ROCM_SEGMENTED_ATTN", "rocm_segmented_attn.RocmSegmentedAttentionBackend",
+         _V + "rocm_segmented_attn.py: RocmAttentionBackend's layer-major layouts",
+         ("LHBNC", "LBHNC")),
+    _out("ROCM_AITER_FA", "rocm_aiter_fa.AiterFlashAttentionBackend", _V + "rocm_aiter_fa.py::"
+         "AiterFlashAttentionBackend.supported_kv_cache_layouts: layer outermost only "
+         "(pa_fwd_asm strides by a dense page; LHBNC first with the shuffled KV cache)",
+         ("LBHNC", "LHBNC")),
+    _out("ROCM_AITER_UNIFIED_ATTN", "rocm_aiter_unified_attn.RocmAiterUnifiedAttentionBackend",
+         _V + "rocm_aiter_unified_attn.py::RocmAiterUnifiedAttentionBackend.supported_kv_cache_"
+         "layouts: layer outermost only (LBHNC alone with a KV connector)", ("LBHNC", "LHBNC")),
+    _out("ROCM_AITER_MLA", "mla.rocm_aiter_mla.AiterMLABackend", _ROCM_MLA),
+    _out("ROCM_AITER_TRITON_MLA", "mla.aiter_triton_mla.AiterTritonMLABackend", _ROCM_MLA),
+    _out("ROCM_AITER_MLA_SPARSE", "mla.rocm_aiter_mla_sparse.ROCMAiterMLASparseBackend",
+         _ROCM_MLA + "; vLLM declares BLHNC, no stride check on record",
+         ("LBNHC", "LBHNC", "BLHNC")),
+)
+_REGISTRY: dict[str, BackendEntry] = {entry.name: entry for entry in _SEED}
+
+
+def register_backend(entry: BackendEntry, replace: bool = False) -> None:
+    """Add a backend; ValueError if its name is already registered, unless `replace`."""
+    if not isinstance(entry, BackendEntry):
+        raise ValueError(f"register_backend needs a BackendEntry, got {entry!r}")
+    if entry.name in _REGISTRY and not replace:
+        raise ValueError(f"backend {entry.name!r} is already registered; pass replace=True "
+                         f"to override it")
+    _REGISTRY[entry.name] = entry
+
+
+def lookup(name: str) -> BackendEntry | None:
+    """The entry for `name`, or None: an unknown backend, which is opted out."""
+    return _REGISTRY.get(name)
+
+
+def registered_backends() -> tuple[BackendEntry, ...]:
+    """Every entry, seeds first, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def backend_name(backend_cls: type) -> str:
+    """The registry name of a vLLM backend class, found by its class path; else that path.
+
+    Not `get_name()`: in vLLM 0.32 AiterFlashAttentionBackend.get_name() is "FLASH_ATTN". A
+    class we have no record of keeps its path as name, which `decide` refuses as unknown.
+    """
+    path = f"{backend_cls.__module__}.{backend_cls.__qualname__}"
+    return next((e.name for e in _REGISTRY.values() if e.vllm_class == path), path)
+
+
+def declared_layouts(entry: BackendEntry, compute_capability: tuple[int, int] | None = None,
+                     use_vllm: bool = True) -> DeclaredLayouts:
+    """The layouts `entry` accepts: vLLM's own answer when it can give one, else the record.
+
+    vLLM answers for this process's device, so for an entry whose layouts depend on the compute
+    capability, an explicit `compute_capability` takes the recorded rule instead.
+    """
+    cc = _check_cc(compute_capability)
+    if entry.layouts_by_cc and cc is not None:
+        return DeclaredLayouts(entry.layouts_for(cc), f"recorded from vLLM "
+                               f"{RECORDED_VLLM_VERSION} for compute capability {cc[0]}.{cc[1]}")
+    why = "vLLM not consulted" if entry.vllm_class else "not a vLLM backend"
+    if use_vllm and entry.vllm_class:
+        cls, why = _vllm_backend_class(entry.vllm_class)
+        if cls is not None:
+            try:
+                layouts = cls.supported_kv_cache_layouts()
+            except Exception as exc:  # e.g. a platform query that needs a GPU: use the record
+                why = f"supported_kv_cache_layouts() raised {type(exc).__name__}: {exc}"
+            else:
+                return DeclaredLayouts(
+                    None if layouts is None else tuple(lay.name for lay in layouts),
+                    f"vLLM {getattr(sys.modules.get('vllm'), '__version__', '?')}: "
+                    f"{cls.__module__}.{cls.__qualname__}.supported_kv_cache_layouts()", live=True)
+    unknown_cc = ", compute capability unknown: what every device accepts" if (
+        entry.layouts_by_cc and cc is None) else ""
+    return DeclaredLayouts(entry.layouts_for(cc), f"recorded from vLLM {RECORDED_VLLM_VERSION}"
+                           f"{unknown_cc} ({why})")
+
+
+def decide(backend_names: Iterable[str], compute_capability: tuple[int, int] | None = None,
+           kv_dtype: str | None = None, use_vllm: bool = True) -> LayoutDecision:
+    """The block-outermost layout all of `backend_names` accept, or the refusals saying why none.
+
+    Preference: BLNHC, then BLHNC, then BHLNC. `kv_dtype` is vLLM's cache dtype name ("auto",
+    "fp8", "int8_per_token_head", ...). A backend is refused when it is unknown, not known to
+    read strides, accepts no block-outermost layout, or a constraint rules its dtype out.
+    """
+    if isinstance(backend_names, str):
+        raise ValueError(f"backend_names must be a collection of names, got {backend_names!r}")
+    names = tuple(dict.fromkeys(backend_names))
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"backend_names must be non-empty strings, got {names!r}")
+    if kv_dtype is not None and not isinstance(kv_dtype, str):
+        raise ValueError(f"kv_dtype must be a vLLM cache dtype name, got {kv_dtype!r}")
+    cc = _check_cc(compute_capability)
+    refusals: list[Refusal] = []
+    requirements: list[str] = []
+    sources: list[tuple[str, str]] = []
+    accepted: dict[str, tuple[str, ...]] = {}
+    for name in names:
+        entry = _REGISTRY.get(name)
+        if entry is None:
+            refusals.append(Refusal(name, "unknown backend: no evidence its kernels read "
+                                    "strides (register it with register_backend)", "none"))
+        elif not entry.reads_strides:
+            refusals.append(Refusal(name, "kernels not known to read strides (opted out)",
+                                    entry.evidence))
+        else:
+            declared = declared_layouts(entry, cc, use_vllm)
+            sources.append((name, declared.source))
+            layouts, refusal, needs = _apply_constraints(entry, declared, kv_dtype)
+            requirements += needs
+            if refusal is None:
+                accepted[name] = layouts
+            else:
+                refusals.append(refusal)
+    common = [o for o in BLOCK_MAJOR_ORDERS if all(o in lays for lays in accepted.values())]
+    if not refusals and not common:
+        refusals.append(Refusal(", ".join(accepted), "no block-outermost layout accepted by all: "
+                                + "; ".join(f"{n} {_show(lays)}" for n, lays in accepted.items()),
+                                "; ".join(source for _, source in sources)))
+    if refusals:
+        return LayoutDecision(None, names, tuple(refusals), layout_sources=tuple(sources))
+    return LayoutDecision(common[0], names, (), tuple(dict.fromkeys(requirements)),
+                          tuple(sources))
+
+
+def _apply_constraints(entry: BackendEntry, declared: DeclaredLayouts, kv_dtype: str | None
+                       ) -> tuple[tuple[str, ...], Refusal | None, list[str]]:
+    """(block-outermost layouts left, a refusal or None, requirements the views must meet)."""
+    layouts, needs, dtype = declared.block_outermost, [], kv_dtype or "auto"
+    for constraint in entry.constraints:
+        if constraint.kind is ConstraintKind.PER_TOKEN_HEAD_SCALES and dtype.endswith(
+                "_per_token_head"):
+            return (), Refusal(entry.name, f"KV dtype {dtype!r}: {constraint.detail}",
+                               constraint.evidence), needs
+        if constraint.kind is ConstraintKind.FP8_DEQUANT_CONTIGUOUS and dtype.startswith("fp8"):
+            layouts = tuple(o for o in layouts if o in _HEAD_MAJOR_INTERIORS)
+            needs.append(f"{entry.name}: {constraint.detail}")
+        elif constraint.kind is ConstraintKind.TMA_ALIGNMENT:
+            needs.append(f"{entry.name}: {constraint.detail}")
+    if not layouts:
+        return (), Refusal(entry.name, f"accepts no block-outermost layout (declares "
+                           f"{_show(declared.layouts)}; KV dtype {dtype!r})",
+                           declared.source), needs
+    return layouts, None, needs
+
+
+def parse_compute_capability(text: str) -> tuple[int, int]:
+    """'10.0' -> (10, 0); ValueError naming anything else."""
+    major, dot, minor = str(text).strip().partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise ValueError(f"compute capability must be MAJOR.MINOR (e.g. 9.0, 10.0), got {text!r}")
+    return int(major), int(minor)
+
+
+def backend_rows(compute_capability: tuple[int, int] | None = None, use_vllm: bool = True
+                 ) -> list[dict[str, Any]]:
+    """One JSON-ready dict per registered backend (what `kvconnector backends` prints)."""
+    rows = []
+    for entry in registered_backends():
+        declared = declared_layouts(entry, compute_capability, use_vllm)
+        rows.append({
+            "name": entry.name, "view": entry.view.value, "reads_strides": entry.reads_strides,
+            "layouts": None if declared.layouts is None else list(declared.layouts),
+            "block_outermost": list(declared.block_outermost) if entry.reads_strides else [],
+            "layouts_by_cc": {str(major): None if lay is None else list(lay)
+                              for major, lay in entry.layouts_by_cc},
+            "layouts_source": declared.source, "layouts_live": declared.live,
+            "constraints": [{"kind": c.kind.value, "detail": c.detail, "evidence": c.evidence}
+                            for c in entry.constraints],
+            "evidence": entry.evidence, "vllm_class": entry.vllm_class,
+        })
+    return rows
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `kvconnector backends`: the registry as a table, or as JSON."""
+    parser = subparsers.add_parser(
+        "backends", help="attention backends and whether they may read block-major layer views",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--compute-capability", type=_cc_arg, metavar="MAJOR.MINOR",
+                        help="the GPU's compute capability (default: vLLM's view of this "
+                        "device, else what every device accepts)")
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="print the recorded layouts without importing vLLM")
+    parser.set_defaults(func=_run_backends)
+
+
+def _run_backends(args: argparse.Namespace) -> int:
+    rows = backend_rows(args.compute_capability, use_vllm=not args.no_vllm)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [("NAME", "VIEW", "LAYOUTS", "BLOCK-OUTERMOST", "READS STRIDES", "CONSTRAINTS",
+              "EVIDENCE")] + [(
+                  r["name"], r["view"], _show(r["layouts"]) + "".join(
+                      f" [cc {m}: {_show(lay)}]" for m, lay in r["layouts_by_cc"].items()),
+                  _show(r["block_outermost"]) if r["block_outermost"] else "-",
+                  "yes" if r["reads_strides"] else "no",
+                  ",".join(c["kind"] for c in r["constraints"]) or "-", r["evidence"],
+              ) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  "
+              + row[-1])
+    recorded = [r for r in rows if not r["layouts_live"]]
+    print(f"\nLAYOUTS: read from the installed vLLM for {len(rows) - len(recorded)} of "
+          f"{len(rows)} backends; recorded for:")
+    for r in recorded:
+        print(f"  {r['name']}: {r['layouts_source']}")
+    return 0
+
+
+def _cc_arg(text: str) -> tuple[int, int]:
+    try:
+        return parse_compute_capability(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@functools.cache
+def _vllm_backend_class(path: str) -> tuple[Any, str]:
+    """(the class at `path`, "") or (None, why not). The only place vLLM gets imported."""
+    if importlib.util.find_spec("vllm") is None:
+        return None, "vLLM not installed"
+    # The recorded path, not AttentionBackendEnum: an override there is another class, which
+    # our evidence does not cover.
+    module, _, qualname = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), qualname), ""
+    except Exception as exc:  # GPU-only modules fail to import elsewhere: use the record
+        return None, f"vLLM class not importable here: {type(exc).__name__}: {exc}"
+
+
+def _check_cc(cc: tuple[int, int] | None) -> tuple[int, int] | None:
+    if cc is None:
+        return None
+    if not (isinstance(cc, tuple) and len(cc) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cc)):
+        raise ValueError(f"compute_capability must be (major, minor), got {cc!r}")
+    return (cc[0], cc[1])
+
+
+def _show(layouts: Iterable[str] | None) -> str:
+    return "any" if layouts is None else ",".join(layouts) or "none"

@@ -1,0 +1,122 @@
+"""`kvconnector bench` end to end on the CPU path, at tiny sizes. No timed assertions."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvconnector.bench.presets import PRESETS, build_cases
+from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets, parse_size
+from kvconnector.cli import main
+
+# One small preset, few blocks, one repeat: seconds, not minutes.
+TINY = ["bench", "--preset", "llama-3.1-70b-tp8", "--blocks", "8", "--budget", "64M",
+        "--prefix-tokens", "64", "--repeats", "1"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse type errors exit through the parser
+        return int(exc.code or 0)
+
+
+def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    js, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main([*TINY, "--kv-dtype", "bf16,fp8", "--json", str(js), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "No CUDA device" in out.splitlines()[0]
+    assert "ceilings" in out and "block-major" in out and "layer-major" in out
+    assert "llama-3.1-70b-tp8 bf16" in out and "llama-3.1-70b-tp8 fp8" in out
+
+    record = json.loads(js.read_text())
+    ceil = record["ceilings"]
+    for key in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "plain_call_us"):
+        assert ceil[key] > 0
+    assert len(record["cases"]) == 2
+    for case in record["cases"]:
+        assert case["blocks"] == 8
+        assert set(case["layouts"]) == {"block_major", "layer_major"}
+        for r in case["layouts"].values():
+            for key in ("h2d", "d2h", "bidir"):
+                assert r[key]["gbps"] > 0 and r[key]["ratio"] > 0
+                assert len(r[key]["seconds"]) == 1
+            assert r["host_us_per_block"] > 0 and r["prefix_ms"] > 0
+            assert r["prefix_blocks"] == 4  # 64 tokens of 16
+    assert case["layouts"]["layer_major"]["copies_per_job"] == 80 * 8  # one per layer per block
+    assert case["layouts"]["block_major"]["copies_per_job"] == 8
+    assert record["meta"]["device_type"] == "cpu"
+    assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-70b-tp8")
+    remote = record["remote"]
+    assert {row["security"] for row in remote["rows"]} >= {"none", "secret"}
+    for row in remote["rows"]:
+        if row["security"] == "none":  # the other modes may report an error row instead
+            assert row["put"]["gbps"] > 0 and row["get"]["gbps"] > 0
+            assert row["baseline_put_gbps"] > 0 and row["baseline_get_gbps"] > 0
+
+    data = png.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_explicit_shape_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--layers", "4", "--kv-heads", "1", "--head-size", "64", "--mla",
+            "--block-size", "16,64", "--blocks", "4", "--budget", "16M", "--repeats", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mla L4 H1 D64 N16 bf16" in out and "mla L4 H1 D64 N64 bf16" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--preset", "llama-9000"], "unknown preset 'llama-9000'"),
+    (["--kv-dtype", "int3"], "unknown KV dtype 'int3'"),
+    (["--blocks", "0"], "--blocks must be a positive integer"),
+    (["--blocks", "many"], "invalid int value"),
+    (["--budget", "1P"], "cannot allocate"),  # mmap refuses; the cgroup check may say it first
+    (["--budget", "lots"], "not a size"),
+    (["--preset", "qwen3-32b", "--budget", "4M"], "holds no two"),
+    (["--preset", "qwen3-32b", "--budget", "64M", "--blocks", "100"], "raise --budget"),
+    (["--layers", "4"], "needs --layers, --kv-heads and --head-size"),
+    (["--block-size", "0"], "--block-size must be a positive integer"),
+])
+def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    if argv == ["--budget", "1P"] and cgroup_memory_left() is not None:
+        message = "cgroup"  # a cgroup limit is checked before allocating
+    assert exit_code(["bench", *argv, "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvconnector bench: error:")
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_presets_match_design_page_and_block_sizes() -> None:
+    # DESIGN.md section 1: per-layer page and block-major block of each preset.
+    expect = {"llama-3.1-8b": (64 << 10, 2 << 20), "llama-3.1-70b-tp8": (8 << 10, 640 << 10),
+              "qwen3-32b": (64 << 10, 4 << 20), "deepseek-v3": (72 << 10, 61 * (72 << 10))}
+    for case in build_cases(list(PRESETS), ["bf16", "fp8"], None, None, False):
+        page, block = expect[case.name.split()[0]]
+        per_byte = 1 if case.name.endswith("bf16") else 2  # fp8 halves every size
+        assert case.layout.page_bytes * per_byte == page
+        assert case.layout.block_bytes * per_byte == block
+    assert build_cases(["deepseek-v3"], ["bf16"], None, None, False)[0].layout.block_size == 64
+
+
+def test_id_sets_are_disjoint_and_non_adjacent() -> None:
+    a, b = disjoint_id_sets(random.Random(1), 50, 130)
+    assert not set(a) & set(b)
+    for ids in (a, b):
+        s = sorted(ids)
+        assert len(set(ids)) == 50 and all(y - x >= 2 for x, y in zip(s, s[1:], strict=False))
+        assert ids != s  # random order, not ascending
+
+
+def test_parse_size() -> None:
+    assert parse_size("512M") == 512 << 20 and parse_size("1.5G") == 3 << 29
+    assert parse_size("4096") == 4096 and parse_size("2GiB") == 2 << 30
+    with pytest.raises(ValueError):
+        parse_size("0")
