@@ -63,6 +63,10 @@ def measure(device_arena: torch.Tensor, host_arena: torch.Tensor, repeats: int) 
     d0, d1 = device_arena[:size], device_arena[size: 2 * size]
     h0, h1 = host_arena[:size], host_arena[size: 2 * size]
     if device.type == "cuda":
+        # The arena is pinned in block-aligned cudaHostRegister ranges, which one 2 GiB copy
+        # may not straddle; the ceiling is one cudaHostAlloc buffer, as in DESIGN.md.
+        host = torch.empty(2 * size, dtype=torch.uint8, pin_memory=True)
+        h0, h1 = host[:size], host[size:]
         h2d = statistics.median(timed(lambda: d0.copy_(h0, non_blocking=True), device, repeats))
         d2h = statistics.median(timed(lambda: h0.copy_(d0, non_blocking=True), device, repeats))
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))

@@ -42,9 +42,16 @@ class Arenas:
     _keep: list[KVBuffer] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
-        for buf in self._keep:
-            buf.close()
+        _release(self._keep)
         self._keep = []
+
+
+def _release(buffers: list[KVBuffer]) -> None:
+    for buf in buffers:
+        if buf.pinned:  # the arena's own registration (see allocate_arenas)
+            torch.cuda.cudart().cudaHostUnregister(buf.raw.data_ptr())
+            buf.pinned = False
+        buf.close()
 
 
 def allocate_arenas(side_bytes: int, device: torch.device) -> Arenas:
@@ -57,10 +64,16 @@ def allocate_arenas(side_bytes: int, device: torch.device) -> Arenas:
     keep: list[KVBuffer] = []
     try:
         keep.append(allocate(arena, num_blocks=rows, device=device))
-        keep.append(allocate(arena, num_blocks=rows, device="cpu", pinned=device.type == "cuda"))
+        keep.append(allocate(arena, num_blocks=rows, device="cpu"))
+        if device.type == "cuda":
+            # Cases carve pools of every block size out of this arena; one copy may not straddle
+            # two cudaHostRegister ranges, so the arena is registered as one range.
+            err = torch.cuda.cudart().cudaHostRegister(keep[1].raw.data_ptr(), rows * _ARENA_ROW, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the host arena failed: {err}")
+            keep[1].pinned = True
     except (OSError, MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        for buf in keep:
-            buf.close()
+        _release(keep)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise BenchError(f"cannot allocate 2 x {format_bytes(rows * _ARENA_ROW)} "
                          f"({device.type} + host): {reason}") from None
