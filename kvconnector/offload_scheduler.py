@@ -1,0 +1,308 @@
+"""Scheduler-side core of the CPU-tier connector: which blocks to load and store, and when.
+
+No vLLM imports: the vLLM adapter (kvconnector/vllm.py) feeds it plain values (request ids, block
+hashes, GPU block ids, token counts) and ships what `build_step` returns to the workers.
+
+Every GPU block holds `block_size` tokens of every layer; its key is the namespace digest + the
+engine's chained block hash, so a key names a whole prefix. The block index
+(transfer/block_index.py) maps keys to host pool slots; every worker owns a pool with the same
+slot count, so one slot id names one block of every rank.
+
+Life of a job: `plan_load` / `plan_stores` / `request_finished` create jobs; `build_step` hands them
+out once; every worker reports each job done or failed (`JobReport`, summed over ranks by vLLM's
+aggregation); when all `num_workers` have reported, `complete` finishes it in the index.
+
+Block safety (a GPU block must not be reused while a store still reads it):
+- a finished request with stores in flight or still to make keeps its blocks (`request_finished`
+  returns True) until every worker has reported its stores done (`StepJobs.held`);
+- a preempted request's blocks are freed at once, so the next step lists its stores in flight in
+  `StepJobs.flush` and workers wait for them before that step's forward writes the blocks again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transfer.block_index import BlockIndex
+from transfer.keys import Namespace
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy `block_ids[i]` (GPU) <-> `slots[i]` (host pool) for every i, as one job."""
+
+    job_id: int
+    req_id: str
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass
+class StepJobs:
+    """The work of one engine step, for every worker (small and picklable).
+
+    `flush`: ids of store jobs to finish before this step's forward (their blocks were freed by a
+    preemption and may be written again now). `held`: requests whose blocks the connector keeps
+    after they finished; a worker reports each as finished sending once its stores are done.
+    """
+
+    loads: list[TransferJob] = field(default_factory=list)
+    stores: list[TransferJob] = field(default_factory=list)
+    flush: list[int] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.stores or self.flush or self.held)
+
+
+@dataclass
+class JobReport:
+    """Jobs one or more workers finished since their last report; `merged` sums two reports."""
+
+    done: dict[int, int] = field(default_factory=dict)  # job id -> workers that copied it
+    failed: dict[int, int] = field(default_factory=dict)  # job id -> workers that failed it
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+
+    def merged(self, other: JobReport) -> JobReport:
+        done, failed = dict(self.done), dict(self.failed)
+        for job_id, count in other.done.items():
+            done[job_id] = done.get(job_id, 0) + count
+        for job_id, count in other.failed.items():
+            failed[job_id] = failed.get(job_id, 0) + count
+        return JobReport(done, failed, self.load_bytes + other.load_bytes,
+                         self.load_seconds + other.load_seconds,
+                         self.store_bytes + other.store_bytes,
+                         self.store_seconds + other.store_seconds)
+
+    def is_empty(self) -> bool:
+        return not (self.done or self.failed)
+
+
+@dataclass
+class OffloadCounters:
+    """What happened since the last `take_counters` (tokens, bytes, seconds, jobs)."""
+
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    failed_loads: int = 0
+    failed_stores: int = 0
+    evictions: int = 0
+    unplaced_blocks: int = 0  # blocks not stored: every slot busy
+    jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
+
+
+@dataclass
+class _Job:
+    req_id: str
+    is_store: bool
+    keys: list[bytes]
+    start_block: int  # index in the request's block table of the first block
+    pending: int  # workers yet to report
+    failed: bool = False
+
+
+@dataclass
+class _Request:
+    stored_upto: int = 0  # blocks [0, stored_upto) are stored, being stored or not to be stored
+    jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+class OffloadScheduler:
+    """Plans the CPU tier's loads and stores for one engine (see module doc).
+
+    `num_slots`: blocks in each worker's host pool; `num_workers`: workers that must report each
+    job (every rank of every parallel group); `policy`: the index eviction policy ("lru", "arc").
+    """
+
+    def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
+                 policy: str = "lru") -> None:
+        for name, value in (("block_size", block_size), ("num_workers", num_workers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.namespace = namespace
+        self.block_size = block_size
+        self.num_workers = num_workers
+        self.index = BlockIndex(namespace, num_slots, policy)
+        self._requests: dict[str, _Request] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks) asked
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._step = StepJobs()
+        self._counters = OffloadCounters()
+        self._evictions_seen = 0
+
+    # ---- lookups (no side effects on the tier) -------------------------------------------
+
+    def lookup(self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
+               num_tokens: int) -> int:
+        """Tokens past `num_computed_tokens` (block aligned) that the tier can load now: the
+        longest run of stored keys. Remembers the range asked about for the hit/miss counts."""
+        if num_computed_tokens % self.block_size:
+            raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of "
+                             f"the block size {self.block_size}")
+        start = num_computed_tokens // self.block_size
+        end = min(len(block_hashes), num_tokens // self.block_size)
+        keys = self.namespace.keys(list(block_hashes[start:end]))
+        hits = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
+        self._lookups[req_id] = (start, len(keys))
+        return hits * self.block_size
+
+    # ---- planning --------------------------------------------------------------------------
+
+    def plan_load(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                  num_external_tokens: int) -> None:
+        """Load `num_external_tokens` after the last lookup's start into the request's blocks
+        (`block_ids`: its whole block table). Also counts the admission's hits and misses."""
+        start, asked = self._lookups.pop(req_id, (0, 0))
+        hit_blocks, rest = divmod(num_external_tokens, self.block_size)
+        if rest or hit_blocks > asked:
+            raise ValueError(f"request {req_id!r}: cannot load {num_external_tokens} tokens; the "
+                             f"last lookup offered {asked} blocks of {self.block_size}")
+        self._counters.hit_tokens += hit_blocks * self.block_size
+        self._counters.miss_tokens += (asked - hit_blocks) * self.block_size
+        if hit_blocks == 0:
+            return
+        state = self._requests.setdefault(req_id, _Request())
+        if len(block_ids) < start + hit_blocks:
+            raise ValueError(f"request {req_id!r}: {len(block_ids)} blocks allocated, the load "
+                             f"needs {start + hit_blocks}")
+        keys = self.namespace.keys(list(block_hashes[start:start + hit_blocks]))
+        plan = self.index.prepare_load(keys)
+        state.stored_upto = max(state.stored_upto, start + hit_blocks)
+        job_id = self._add_job(state, req_id, False, keys, start)
+        destination = tuple(block_ids[start:start + hit_blocks])
+        self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(plan.slots)))
+
+    def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+                    num_ready_tokens: int) -> None:
+        """Store the request's full blocks whose KV is complete once `num_ready_tokens` are
+        computed and that the tier lacks; each block is considered once per request life."""
+        state = self._requests.setdefault(req_id, _Request())
+        ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
+        if ready <= state.stored_upto:
+            return
+        start, state.stored_upto = state.stored_upto, ready
+        keys = self.namespace.keys(list(block_hashes[start:ready]))
+        plan = self.index.prepare_store(keys)  # skips keys stored or being stored
+        self._counters.unplaced_blocks += len(plan.not_placed)
+        if not plan.keys:
+            return
+        position = {key: start + i for i, key in enumerate(keys)}
+        job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
+        self._step.stores.append(TransferJob(job_id, req_id,
+                                             tuple(block_ids[position[k]] for k in plan.keys),
+                                             tuple(plan.slots)))
+
+    def request_preempted(self, req_id: str) -> None:
+        """The request's blocks were freed: its stores in flight must finish before the next
+        forward, and after resuming it starts from a fresh block table."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        self._step.flush.extend(j for j in state.jobs if self._jobs[j].is_store)
+        state.stored_upto = 0
+
+    def request_finished(self, req_id: str, block_hashes: Sequence[bytes],
+                         block_ids: Sequence[int], num_ready_tokens: int) -> bool:
+        """Plan the request's last stores; True when its blocks must stay allocated until every
+        worker reports it finished sending (stores in flight or planned). A request waiting for
+        a load is never held: vLLM frees it when the load finishes."""
+        self._lookups.pop(req_id, None)
+        state = self._requests.get(req_id)
+        if state is None:
+            state = self._requests[req_id] = _Request()  # its stores all come now
+        state.finished = True
+        held = False
+        if all(self._jobs[j].is_store for j in state.jobs):
+            self.plan_stores(req_id, block_hashes, block_ids, num_ready_tokens)
+            held = bool(state.jobs)
+            if held:
+                self._step.held.append(req_id)
+        self._forget_if_idle(req_id)
+        return held
+
+    def build_step(self) -> StepJobs:
+        """The jobs planned since the last call, for every worker."""
+        step, self._step = self._step, StepJobs()
+        return step
+
+    # ---- completion ------------------------------------------------------------------------
+
+    def complete(self, report: JobReport) -> None:
+        """Apply the workers' reports; a job finishes when every worker has reported it."""
+        self._counters.load_bytes += report.load_bytes
+        self._counters.load_seconds += report.load_seconds
+        self._counters.store_bytes += report.store_bytes
+        self._counters.store_seconds += report.store_seconds
+        for counts, failed in ((report.done, False), (report.failed, True)):
+            for job_id, count in counts.items():
+                job = self._jobs.get(job_id)
+                if job is None or count <= 0 or count > job.pending:
+                    raise ValueError(f"report of {count} worker(s) for job {job_id!r}, which "
+                                     f"{'waits for ' + str(job.pending) if job else 'is unknown'}")
+                job.pending -= count
+                job.failed |= failed
+        for job_id in {**report.done, **report.failed}:
+            if self._jobs[job_id].pending == 0:
+                self._finish(job_id)
+
+    def _finish(self, job_id: int) -> None:
+        job = self._jobs.pop(job_id)
+        state = self._requests[job.req_id]
+        state.jobs.discard(job_id)
+        if job.is_store:
+            self.index.complete_store(job.keys, not job.failed)
+            self._counters.failed_stores += job.failed
+        else:
+            self.index.complete_load(job.keys)
+            if job.failed:
+                # The slots may hold bad bytes: drop the keys so the recomputed blocks are
+                # stored again, and store this request's blocks again from the failed load on.
+                self._counters.failed_loads += 1
+                self.index.remove([k for k in job.keys
+                                   if self.index.contains(k) or self.index.is_being_stored(k)])
+                state.stored_upto = min(state.stored_upto, job.start_block)
+        self._forget_if_idle(job.req_id)
+
+    def _forget_if_idle(self, req_id: str) -> None:
+        state = self._requests[req_id]
+        if state.finished and not state.jobs:
+            del self._requests[req_id]
+
+    # ---- whole tier ------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every stored block (jobs in flight finish; their slots drain)."""
+        self.index.clear()
+        for state in self._requests.values():
+            state.stored_upto = 0
+
+    def has_jobs(self) -> bool:
+        """Jobs planned or in flight: the engine must keep stepping to complete them."""
+        return bool(self._jobs)
+
+    def take_counters(self) -> OffloadCounters:
+        """Counters since the last call (jobs_in_flight is the current value)."""
+        evictions = self.index.stats.evictions
+        counters, self._counters = self._counters, OffloadCounters()
+        counters.evictions = evictions - self._evictions_seen
+        counters.jobs_in_flight = len(self._jobs)
+        self._evictions_seen = evictions
+        return counters
+
+    def _add_job(self, state: _Request, req_id: str, is_store: bool, keys: list[bytes],
+                 start_block: int) -> int:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = _Job(req_id, is_store, keys, start_block, self.num_workers)
+        state.jobs.add(job_id)
+        return job_id

@@ -1,0 +1,171 @@
+"""Worker-side core of the CPU-tier connector: one host pool and one copy engine per worker.
+
+No vLLM imports, so the same code runs under vLLM and on a GPU machine where vLLM cannot be
+installed (a stand-in step drives it there). It takes the per-layer KV cache tensors an engine
+hands over, finds what lies behind them (kvconnector.recognize) and moves whole blocks:
+- block-major buffer: one copy per block (block b of every layer is one chunk);
+- anything else (a layer-major layout, an engine override, a backend that refused): the per-layer
+  fallback, one copy per layer (per run of a page) per block, into the same slot format.
+`mode` and `reason` say which and why.
+
+Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
+`start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
+the work the compute stream had queued), then `poll` and `take_report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvconnector.layout import KVForm, KVLayout
+from kvconnector.offload_scheduler import JobReport, StepJobs
+from kvconnector.recognize import recognize
+from transfer.copy_backends import CopyBackend
+from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
+from transfer.pool import HostPool
+
+BLOCK_MAJOR = "block-major"
+PER_LAYER = "per-layer"
+
+
+@dataclass
+class TransferEvents:
+    """What finished since the last poll, in vLLM's terms.
+
+    A failed load is in `finished_loads` AND `failed_loads`, and its GPU blocks are in
+    `failed_block_ids`, so the engine both releases the request and recomputes the blocks.
+    `finished_sending`: held requests whose stores are all done here.
+    """
+
+    finished_loads: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
+    failed_block_ids: set[int] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+
+
+class OffloadWorker:
+    """Executes StepJobs against this worker's KV cache (see module doc).
+
+    `kv_caches`: layer name -> tensor, all views of one buffer (vLLM: what `register_kv_caches`
+    gets); `num_slots`: host pool blocks, the scheduler's index size; `cache_groups` and
+    `num_blocks` as for `recognize`; `backend`: the copy backend (default: batched DMA on CUDA,
+    threads on CPU); `pinned`: pin the pool (default: when CUDA is available).
+    """
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int, *,
+                 cache_groups: Sequence[Sequence[str]] | None = None,
+                 num_blocks: int | None = None, backend: CopyBackend | None = None,
+                 max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
+                 pinned: bool | None = None) -> None:
+        found = recognize(kv_caches, cache_groups, num_blocks)
+        if not found.layers:
+            raise ValueError(f"no KV cache layer to offload: {found.reason}")
+        if found.block_chunks is not None:
+            self.mode, self.reason = BLOCK_MAJOR, None
+            gpu_rows = [found.block_chunks.chunks]
+        else:
+            self.mode, self.reason = PER_LAYER, found.reason
+            gpu_rows = [run for name in found.layers for run in _rows(found.layer_pages[name])]
+        self.num_blocks = found.num_blocks
+        self.block_bytes = sum(int(rows.shape[1]) for rows in gpu_rows)
+        self.copies_per_block = len(gpu_rows)
+        self.pool = HostPool.create(_byte_layout(self.block_bytes), num_slots=num_slots,
+                                    pinned=pinned)
+        try:
+            self.engine = TransferEngine(self.pool.segments(gpu_rows), backend,
+                                         max_store_bytes=max_store_bytes)
+        except BaseException:
+            self.pool.close()
+            raise
+        self._loads: dict[int, tuple[str, tuple[int, ...]]] = {}  # job -> request, GPU blocks
+        self._stores: dict[int, str] = {}  # job -> request
+        self._held: set[str] = set()
+        self._report = JobReport()
+
+    def describe(self) -> str:
+        """One line: how blocks move and why."""
+        memory = "pinned" if self.pool.pinned else "pageable"
+        copies = "1 copy" if self.copies_per_block == 1 else f"{self.copies_per_block} copies"
+        how = (f"{self.mode}: {copies} per block; "
+               f"{self.pool.num_slots} {memory} host slots of {self.block_bytes} B")
+        return how if self.reason is None else f"{how} ({self.reason})"
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def flush(self, step: StepJobs) -> None:
+        """Before the forward: wait for the stores reading blocks a preemption freed."""
+        if step.flush:
+            self.engine.wait(step.flush)
+
+    def start_loads(self, step: StepJobs) -> None:
+        for job in step.loads:
+            self._loads[job.job_id] = (job.req_id, job.block_ids)
+            self.engine.submit_load(job.job_id, job.slots, job.block_ids)
+
+    def submit_stores(self, step: StepJobs) -> None:
+        """After the forward: each store copies after the work queued on the compute stream.
+        A store the engine drops under pressure is reported failed, like a failed copy."""
+        for job in step.stores:
+            self._stores[job.job_id] = job.req_id
+            self.engine.submit_store(job.job_id, job.block_ids, job.slots)
+        self._held.update(step.held)
+
+    def poll(self) -> TransferEvents:
+        """Collect finished jobs (never blocks)."""
+        events = TransferEvents()
+        report = self._report
+        for result in self.engine.get_finished():
+            (report.done if result.ok else report.failed)[result.job_id] = 1
+            if result.is_store:
+                del self._stores[result.job_id]
+                report.store_bytes += result.nbytes
+                report.store_seconds += result.seconds
+                continue
+            req_id, block_ids = self._loads.pop(result.job_id)
+            report.load_bytes += result.nbytes
+            report.load_seconds += result.seconds
+            events.finished_loads.add(req_id)
+            if not result.ok:
+                events.failed_loads.add(req_id)
+                events.failed_block_ids.update(block_ids)
+        storing = set(self._stores.values())
+        events.finished_sending = {r for r in self._held if r not in storing}
+        self._held -= events.finished_sending
+        return events
+
+    def take_report(self) -> JobReport:
+        """Jobs finished here since the last call (for the scheduler, summed over workers)."""
+        report, self._report = self._report, JobReport()
+        return report
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Block until every copy in flight is done (results still come from `poll`)."""
+        self.engine.wait()
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._loads) + len(self._stores)
+
+    def close(self) -> None:
+        """Finish the copies in flight, then release the lanes and unpin the pool."""
+        self.engine.close()
+        self.pool.close()
+
+
+def _rows(pages: torch.Tensor) -> list[torch.Tensor]:
+    """A layer's pages as 2-D row tensors (one per contiguous run of a page), in byte order."""
+    if pages.dim() == 2:
+        return [pages]
+    return [run for outer in pages.unbind(1) for run in _rows(outer)]
+
+
+def _byte_layout(block_bytes: int) -> KVLayout:
+    """A block-outermost layout whose block is exactly `block_bytes` opaque bytes: the pool only
+    needs the size of a slot, the meaning of the bytes is the GPU cache's."""
+    return KVLayout(num_layers=1, num_kv_heads=1, head_size=block_bytes, block_size=1,
+                    dtype=torch.uint8, form=KVForm.MLA, order="BLNHC")

@@ -1,0 +1,443 @@
+"""vLLM adapter: `CrossLayerOffloadConnector`, a KV connector with a CPU tier of whole blocks.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "CrossLayerOffloadConnector",
+        "kv_connector_module_path": "kvconnector.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes": 68719476736}}'
+
+A thin layer over two vLLM-free cores: kvconnector.offload_scheduler (role SCHEDULER: which
+blocks to load and store) and kvconnector.offload_worker (role WORKER, one per GPU: the pinned
+pool and the copies). Extra-config keys: see `ConnectorOptions` and examples/vllm_serve.md.
+
+Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
+0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvconnector.layout import BLOCK_MAJOR_ORDERS, HOST_ALIGNMENT, round_up
+from kvconnector.offload_scheduler import JobReport, OffloadCounters, OffloadScheduler, StepJobs
+from kvconnector.offload_worker import OffloadWorker
+from kvconnector.registry import decide
+from transfer.copy_backends import BACKENDS, CopyBackend, make_backend
+from transfer.engine import DEFAULT_MAX_STORE_BYTES
+from transfer.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
+
+LAYOUT_CHOICES = ("auto", "engine", *BLOCK_MAJOR_ORDERS)
+EVICTION_CHOICES = ("lru", "arc")
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """`kv_connector_extra_config`, checked. Unknown keys are refused (a typo would be silent).
+
+    cpu_bytes: host pool bytes per worker (per GPU), required; slots = cpu_bytes // block bytes.
+    eviction: "lru" or "arc". layout: "auto" (a block-outermost layout the attention backend
+    accepts), a block-outermost name, or "engine" (keep vLLM's default: the per-layer path).
+    copy_backend: "auto" (batched DMA on CUDA), "dma", "sm" or "thread".
+    max_store_bytes: bytes of stores in flight per worker; past it new stores are skipped.
+    """
+
+    cpu_bytes: int
+    eviction: str = "lru"
+    layout: str = "auto"
+    copy_backend: str = "auto"
+    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> ConnectorOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        if "cpu_bytes" not in extra:
+            raise ValueError("kv_connector_extra_config needs 'cpu_bytes': host pool bytes per "
+                             "worker, e.g. 68719476736 for 64 GiB")
+        options = cls(**extra)
+        for name in ("cpu_bytes", "max_store_bytes"):
+            value = getattr(options, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer of bytes, got {value!r}")
+        for name, choices in (("eviction", EVICTION_CHOICES), ("layout", LAYOUT_CHOICES),
+                              ("copy_backend", BACKENDS)):
+            if getattr(options, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got "
+                                 f"{getattr(options, name)!r}")
+        return options
+
+
+# Backends vLLM may pick by itself on CUDA when none is configured (all opted in, by evidence).
+CUDA_AUTO_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "FLASH_ATTN_MLA",
+                      "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA")
+
+
+def required_layout(options: ConnectorOptions, backend_names: Sequence[str] | None, kv_dtype: str,
+                    compute_capability: tuple[int, int] | None = None) -> tuple[str | None, str]:
+    """(the layout to ask vLLM for, or None for its default; why).
+
+    `backend_names`: the attention backends that may read the cache (the configured one, or every
+    backend the platform may pick); None when that set is unknown (a non-CUDA platform with no
+    backend configured may pick one whose kernels are not known to read strides).
+    """
+    if options.layout == "engine":
+        return None, "opted out (layout 'engine')"
+    if options.layout != "auto":
+        return options.layout, "set in kv_connector_extra_config"
+    if backend_names is None:
+        return None, ("no attention backend configured on a non-CUDA platform: vLLM may pick one "
+                      "not known to read strides, so its default layout (per-layer copies)")
+    decision = decide(list(backend_names), compute_capability=compute_capability,
+                      kv_dtype=kv_dtype)
+    return decision.layout, decision.explain()
+
+
+def _layout_request(vllm_config: VllmConfig, options: ConnectorOptions) -> tuple[str | None, str]:
+    backend = vllm_config.attention_config.backend
+    kv_dtype = str(vllm_config.cache_config.cache_dtype)
+    if backend is not None:
+        return required_layout(options, [backend.name], kv_dtype)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return required_layout(options, None, kv_dtype)
+    capability = current_platform.get_device_capability()
+    cc = None if capability is None else (capability.major, capability.minor)
+    return required_layout(options, CUDA_AUTO_BACKENDS, kv_dtype, cc)
+
+
+def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        specs = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ValueError(f"CrossLayerOffloadConnector supports one full-attention KV cache "
+                         f"group, got {len(groups)}: {specs}")
+    spec = groups[0].kv_cache_spec
+    if kv_cache_config.hash_block_size not in (None, spec.block_size):
+        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens but a "
+                         f"block holds {spec.block_size}: they must be equal")
+    return spec
+
+
+@dataclass
+class OffloadConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    jobs: StepJobs
+
+
+@dataclass
+class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step; vLLM sums the ranks with `aggregate`."""
+
+    report: JobReport
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, OffloadWorkerMetadata):
+            raise ValueError(f"cannot aggregate {type(other).__name__} into a "
+                             f"{type(self).__name__}")
+        return OffloadWorkerMetadata(self.report.merged(other.report))
+
+
+class CrossLayerOffloadConnector(KVConnectorBase_V1):
+    """KV connector with a CPU tier of whole blocks (see module doc)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.options = ConnectorOptions.parse(
+            dict(self._kv_transfer_config.kv_connector_extra_config))
+        spec = _offloaded_spec(kv_cache_config)
+        self._block_size = spec.block_size
+        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+        slot_bytes = round_up(spec.page_size_bytes * num_layers, HOST_ALIGNMENT)
+        self._num_slots = self.options.cpu_bytes // slot_bytes
+        if self._num_slots == 0:
+            raise ValueError(f"cpu_bytes {self.options.cpu_bytes} holds no block of "
+                             f"{slot_bytes} B")
+        self._layout_request = _layout_request(vllm_config, self.options)
+        self._scheduler: OffloadScheduler | None = None
+        self._worker: OffloadWorker | None = None
+        self._requests: dict[str, Request] = {}
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            parallel = vllm_config.parallel_config
+            namespace = _namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size)
+            self._scheduler = OffloadScheduler(namespace, self._num_slots, spec.block_size,
+                                               parallel.world_size, self.options.eviction)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a store skipped is a later miss, nothing more
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        return _layout_request(vllm_config, ConnectorOptions.parse(dict(extra)))[0]
+
+    # ---- worker side -------------------------------------------------------------------------
+
+    def copy_backend(self, device: torch.device) -> CopyBackend:
+        """The copy backend the worker uses (tests override it to hold or fail jobs)."""
+        return make_backend(self.options.copy_backend, device)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self._kv_cache_config
+        device = next(iter(kv_caches.values())).device
+        self._worker = OffloadWorker(
+            kv_caches, self._num_slots, cache_groups=[g.layer_names for g in
+                                                      config.kv_cache_groups],
+            num_blocks=config.num_blocks, backend=self.copy_backend(device),
+            max_store_bytes=self.options.max_store_bytes)
+        asked, why = self._layout_request
+        logger.info("CrossLayerOffloadConnector rank %d: asked for %s (%s), vLLM resolved %s; %s",
+                    self._vllm_config.parallel_config.rank, asked or "vLLM's default", why,
+                    self._vllm_config.cache_config.kv_cache_layout, self._worker.describe())
+
+    def _jobs(self) -> StepJobs:
+        if not isinstance(self._connector_metadata, OffloadConnectorMetadata):
+            raise RuntimeError(f"no CrossLayerOffloadConnector metadata bound, got "
+                               f"{type(self._connector_metadata).__name__}")
+        return self._connector_metadata.jobs
+
+    def _running_worker(self) -> OffloadWorker:
+        if self._worker is None:
+            raise RuntimeError("register_kv_caches has not been called on this worker")
+        return self._worker
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if not isinstance(kv_connector_metadata, OffloadConnectorMetadata):
+            raise ValueError(f"expected OffloadConnectorMetadata, got "
+                             f"{type(kv_connector_metadata).__name__}")
+        self._running_worker().flush(kv_connector_metadata.jobs)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._running_worker().start_loads(self._jobs())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: requests wait for them between steps
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # whole blocks are stored after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._running_worker().submit_stores(self._jobs())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        events = self._running_worker().poll()
+        self._load_errors |= events.failed_block_ids
+        return KVConnectorTransferResults(finished_sending=events.finished_sending,
+                                          finished_recving=events.finished_loads,
+                                          failed_recving=events.failed_loads)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return None if report.is_empty() else OffloadWorkerMetadata(report)
+
+    # Sleep mode (vLLM >= 0.33, whose `supports_sleep_mode` defaults to True, which holds here).
+    def unregister_kv_caches(self) -> None:
+        """Sleep: no copy may touch the KV cache while its memory is released."""
+        if self._worker is not None:
+            self._worker.drain()
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """Wake up: the cumem allocator maps the KV cache back at the same addresses."""
+        if self._worker is None or not kv_caches:
+            return
+        pointer = next(iter(kv_caches.values())).untyped_storage().data_ptr()
+        if pointer != self._worker.engine.segments[0].gpu.untyped_storage().data_ptr():
+            raise ValueError(f"the restored KV cache is at {pointer:#x}, not where it was "
+                             f"registered: the host pool would copy into freed memory")
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def _core(self) -> OffloadScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-side method called on a worker-side connector")
+        return self._scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        hits = self._core().lookup(request.request_id, request.block_hashes, num_computed_tokens,
+                                   request.num_tokens)
+        return hits, hits > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._core().plan_load(request.request_id, request.block_hashes,
+                               blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        core = self._core()
+        for req_id in scheduler_output.preempted_req_ids or ():
+            core.request_preempted(req_id)
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests[req_id]
+            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+            core.plan_stores(req_id, request.block_hashes, block_ids,
+                             request.num_computed_tokens + num_new)
+        return OffloadConnectorMetadata(core.build_step())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, OffloadWorkerMetadata):
+            self._core().complete(meta.report)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        # The last sampled token's KV is never computed; positions before it all are.
+        ready = min(request.num_computed_tokens, request.num_tokens - 1)
+        held = self._core().request_finished(request.request_id, request.block_hashes,
+                                             block_ids, ready)
+        return held, None
+
+    def has_pending_push_work(self) -> bool:
+        return self._core().has_jobs()  # keep stepping until every job is reported
+
+    def reset_cache(self) -> bool:
+        self._core().reset()
+        return True
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        stats = OffloadStats(asdict(self._scheduler.take_counters()))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return OffloadStats() if data is None else OffloadStats(dict(data))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layers: int,
+               tp_size: int) -> Namespace:
+    """What a slot's bytes mean: one block of every layer of one rank, pages in the resolved
+    layout's interior order (the per-layer fallback keeps it too)."""
+    layout = vllm_config.cache_config.kv_cache_layout or "LBNHC"
+    interior = "".join(axis for axis in layout if axis not in "LB")
+    block_layout = (f"{type(spec).__name__} {interior} L={num_layers} H={spec.num_kv_heads} "
+                    f"D={spec.head_size} page={spec.page_size_bytes}")
+    return Namespace(model=vllm_config.model_config.model,
+                     dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
+                     block_layout=block_layout, tp_size=tp_size,
+                     hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
+                     hash_seed=os.environ.get("PYTHONHASHSEED", ""))
+
+
+_GAUGES = ("jobs_in_flight",)
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    """OffloadCounters as vLLM stats: counters add up, the in-flight gauge keeps the latest and
+    goes out with the next counter change."""
+
+    def __post_init__(self) -> None:
+        self.data = {**asdict(OffloadCounters()), **self.data}
+
+    def reset(self) -> None:
+        self.data = asdict(OffloadCounters())
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = value if key in _GAUGES else self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        asked = d["hit_tokens"] + d["miss_tokens"]
+        return {
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()},
+            "hit_rate": round(d["hit_tokens"] / asked, 4) if asked else 0.0,
+            "load_GBps": round(d["load_bytes"] / d["load_seconds"] / 1e9, 2)
+            if d["load_seconds"] else 0.0,
+            "store_GBps": round(d["store_bytes"] / d["store_seconds"] / 1e9, 2)
+            if d["store_seconds"] else 0.0,
+        }
+
+    def is_empty(self) -> bool:
+        return not any(v for k, v in self.data.items() if k not in _GAUGES)
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """Prometheus: one counter per OffloadCounters field (vllm:kvconnector_<name>), one gauge."""
+
+    def __init__(self, vllm_config: VllmConfig,
+                 metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, dict[int, PromMetric]] = {}
+        for name in asdict(OffloadCounters()):
+            kind = self._gauge_cls if name in _GAUGES else self._counter_cls
+            metric = kind(name=f"vllm:kvconnector_{name}", labelnames=labelnames,
+                          documentation=f"CrossLayerOffloadConnector CPU tier: {name}")
+            self._metrics[name] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            metric = self._metrics[name][engine_idx]
+            if name in _GAUGES:
+                metric.set(value)
+            elif value:
+                metric.inc(value)
