@@ -18,11 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconnector", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _SUBCOMMANDS.values():
-        try:
-            importlib.import_module(module).add_parser(sub)
-        except ModuleNotFoundError as exc:  # a part not built yet, or an optional dependency
-            if not exc.name or not module.startswith(exc.name.split(".")[0]):
-                raise
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""A StoreClient on a background thread: every call returns a Future at once.
+
+For callers that must not block (vLLM's scheduler asks for hits every step): submit, then look
+at `future.done()` on later steps. Calls run one after another in submission order, so give each
+role its own instance (lookups on the scheduler, loads and saves on the worker): a lookup queued
+behind a long put waits for it. A deadline counts from submission and bounds each reply wait
+of the call (a lookup of up to 1024 keys is one request); a call still queued at its deadline
+fails with StoreError without being sent. Until a put's or get's future is done, the
+thread reads or writes those pool slots.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from transfer.remote.client import StoreClient, TransferResult
+from transfer.remote.connection import StoreError
+from transfer.remote.security import Security
+
+_Job = tuple[Future, float | None, Callable[..., Any], tuple[Any, ...]]
+
+
+class AsyncStoreClient:
+    """Same arguments as StoreClient; construction errors (ValueError) raise here."""
+
+    def __init__(self, url: str, security: Security, **client_options: Any) -> None:
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        ready: Future[StoreClient] = Future()
+        self._thread = threading.Thread(target=self._run, args=(url, security, client_options,
+                                                                ready),
+                                        name="kvconnector-store-client", daemon=True)
+        self._thread.start()
+        self._client = ready.result()  # read-only use from other threads: checks, timeout_s
+
+    def put(self, keys: Sequence[bytes], slots: Sequence[int], *,
+            deadline_s: float | None = None) -> Future[TransferResult]:
+        keys, slots = self._client.check_transfer(keys, slots, distinct_slots=False)
+        return self._submit(StoreClient.put, (keys, slots), deadline_s)
+
+    def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
+            deadline_s: float | None = None) -> Future[TransferResult]:
+        keys, slots = self._client.check_transfer(keys, slots, distinct_slots=True)
+        return self._submit(StoreClient.get, (keys, slots), deadline_s)
+
+    def lookup(self, keys: Sequence[bytes], *, deadline_s: float | None = None) -> Future[int]:
+        """Future of the longest stored prefix of `keys` (StoreError on timeout or failure)."""
+        return self._submit(StoreClient.lookup, (self._client.check_keys(keys),), deadline_s)
+
+    def exists(self, keys: Sequence[bytes], *,
+               deadline_s: float | None = None) -> Future[list[bool]]:
+        return self._submit(StoreClient.exists, (self._client.check_keys(keys),), deadline_s)
+
+    def stats(self, *, deadline_s: float | None = None) -> Future[dict[str, Any]]:
+        return self._submit(StoreClient.stats, (), deadline_s)
+
+    def close(self) -> None:
+        """Finish the queued calls, then close the connection."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> AsyncStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _submit(self, method: Callable[..., Any], args: tuple[Any, ...],
+                deadline_s: float | None) -> Future[Any]:
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
+        if self._closed:
+            raise ValueError("this AsyncStoreClient is closed")
+        future: Future[Any] = Future()
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        self._jobs.put((future, deadline, method, args))
+        return future
+
+    def _run(self, url: str, security: Security, options: dict[str, Any],
+             ready: Future[StoreClient]) -> None:
+        try:
+            client = StoreClient(url, security, **options)
+        except BaseException as exc:
+            ready.set_exception(exc)
+            return
+        ready.set_result(client)
+        try:
+            while (job := self._jobs.get()) is not None:
+                future, deadline, method, args = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                timeout = client.timeout_s if deadline is None else deadline - time.monotonic()
+                if timeout <= 0:
+                    future.set_exception(StoreError("the deadline passed before the request "
+                                                    "could be sent"))
+                    continue
+                try:
+                    future.set_result(method(client, *args, timeout_s=timeout))
+                except BaseException as exc:  # the caller sees it through the future
+                    future.set_exception(exc)
+        finally:
+            client.close()

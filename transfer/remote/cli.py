@@ -1,0 +1,157 @@
+"""`kvconnector store serve|stats`: run a block store, print a store's counters.
+
+`python -m transfer.remote.cli store ...` runs the same commands without importing torch (the
+`kvconnector` command imports it through the package), so a store starts in a fraction of a
+second; the test fixtures use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from transfer.remote.client import StoreClient, StoreError
+from transfer.remote.protocol import Limits
+from transfer.remote.security import Security, SecurityMode
+from transfer.remote.server import StoreServer
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_SECURITY_OPTIONS = {  # option -> (the mode it belongs to, server side, client side)
+    "secret_file": (SecurityMode.SECRET, True, True),
+    "curve_key_pair": (SecurityMode.CURVE, True, True),
+    "curve_clients": (SecurityMode.CURVE, True, False),
+    "curve_server_key": (SecurityMode.CURVE, False, True),
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as 8GiB, 512MiB, 2MB or 4096; ValueError naming anything else."""
+    match = _SIZE.fullmatch(text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not unit:
+        raise ValueError(f"not a size: {text!r} (expected e.g. 8GiB, 512MiB, 2MB or 4096)")
+    size = int(float(match.group(1)) * unit)
+    if size <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return size
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `store serve` and `store stats`."""
+    store = subparsers.add_parser("store", help="the remote block store",
+                                  description="Run a remote block store or query one.")
+    commands = store.add_subparsers(dest="store_command", required=True)
+    serve = commands.add_parser("serve", help="run a block store in the foreground")
+    serve.add_argument("--listen", default="tcp://127.0.0.1:*",
+                       help="tcp://HOST:PORT to bind; PORT * picks a free one (default: "
+                            "loopback, free port; the bound address is printed)")
+    serve.add_argument("--capacity", required=True, type=_size_arg,
+                       help="bytes of blocks to hold, e.g. 8GiB")
+    serve.add_argument("--max-block-size", type=_size_arg, default=Limits().max_block_bytes,
+                       help="largest block accepted (default 64MiB)")
+    _add_security_options(serve, server=True)
+    serve.set_defaults(func=_serve)
+    stats = commands.add_parser("stats", help="print a store's counters as JSON")
+    stats.add_argument("url", help="the store's tcp://HOST:PORT")
+    stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    _add_security_options(stats, server=False)
+    stats.set_defaults(func=_stats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m transfer.remote.cli")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_security_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
+    group = parser.add_argument_group("security (both sides must use the same mode)")
+    group.add_argument("--security", required=True, choices=[m.value for m in SecurityMode],
+                       help="curve: encrypted, keys from files; secret: a shared secret checked "
+                            "through ZAP (trusted networks); none: loopback only")
+    group.add_argument("--secret-file", type=Path, help="secret: file holding the shared secret")
+    group.add_argument("--curve-key-pair", type=Path,
+                       help="curve: this side's NAME.key_secret from zmq.auth.create_certificates")
+    if server:
+        group.add_argument("--curve-clients", type=Path,
+                           help="curve: directory of the admitted clients' public .key files")
+    else:
+        group.add_argument("--curve-server-key", type=Path, help="curve: the store's NAME.key")
+
+
+def _security(args: argparse.Namespace, *, server: bool) -> Security:
+    mode = SecurityMode(args.security)
+    for option, (owner, on_server, on_client) in _SECURITY_OPTIONS.items():
+        if not (on_server if server else on_client):
+            continue
+        flag = "--" + option.replace("_", "-")
+        given = getattr(args, option) is not None
+        if given and owner is not mode:
+            raise ValueError(f"{flag} belongs to --security {owner.value}, not {mode.value}")
+        if not given and owner is mode:
+            raise ValueError(f"--security {mode.value} needs {flag}")
+    if mode is SecurityMode.NONE:
+        return Security.none()
+    if mode is SecurityMode.SECRET:
+        return Security.shared_secret(args.secret_file)
+    if server:
+        return Security.curve_server(args.curve_key_pair, args.curve_clients)
+    return Security.curve_client(args.curve_key_pair, args.curve_server_key)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        security = _security(args, server=True)
+        server = StoreServer(args.listen, args.capacity, security,
+                             limits=Limits(max_block_bytes=args.max_block_size))
+        endpoint = server.bind()
+    except (ValueError, zmq.ZMQError) as exc:
+        print(f"kvconnector store serve: {exc}", file=sys.stderr)
+        return 2
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stop())
+    print(f"kvconnector store: listening on {endpoint} security={security.mode.value} "
+          f"capacity={args.capacity}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    try:
+        client = StoreClient(args.url, _security(args, server=False), timeout_s=args.timeout)
+    except ValueError as exc:
+        print(f"kvconnector store stats: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = client.stats()
+    except StoreError as exc:
+        print(f"kvconnector store stats: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

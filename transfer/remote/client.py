@@ -1,0 +1,344 @@
+"""Client of the remote block store: pool blocks to and from the store in pipelined batches.
+
+The pool is a 2-D uint8 CPU tensor (num_slots, block_bytes), e.g. `KVBuffer.block_chunks()`;
+rows must be contiguous (the row stride may exceed block_bytes). A put sends each slot straight
+from pool memory as a zero-copy zmq frame; the slot stays pinned (`pinned_slots`) until zmq
+reports the frame sent. A get receives each block with recv_into straight into its slot and
+checks the frame size and the checksum: a slot is valid only where its status is OK, whatever
+happened (timeout, lost connection, corrupt or short frame).
+
+On a timeout or a lost connection the client drops its socket and connects afresh, so nothing
+late lands in a slot the caller has taken back, and a restarted store is found again.
+A StoreClient belongs to one thread at a time; AsyncStoreClient (transfer.remote.async_client)
+runs one on a background thread and returns futures.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zmq
+
+from transfer.keys import DIGEST_BYTES, Namespace
+from transfer.remote.connection import Connection, Exchange, StoreError
+from transfer.remote.protocol import (
+    FRAME_SLACK_BYTES,
+    MAX_KEY_BYTES,
+    BlockStatus,
+    Limits,
+    Op,
+    ProtocolError,
+    Reply,
+    block_checksum,
+    encode_request,
+    reply_bools,
+    reply_count,
+    reply_statuses,
+    reply_uints,
+)
+from transfer.remote.security import Security, tcp_host
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_BATCH_BYTES = 32 << 20
+DEFAULT_MAX_IN_FLIGHT = 4
+BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
+_STORE_STATUS_TEXT = {
+    BlockStatus.MISSING: "the store does not hold this key",
+    BlockStatus.CORRUPT: "the store found the bytes do not match their checksum",
+    BlockStatus.SIZE: "the store received a frame of another size than declared",
+    BlockStatus.FULL: "the store has no room that is not pinned by sends",
+}
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Per-block outcome of a put or get, in the order of the keys given."""
+
+    statuses: tuple[BlockStatus, ...]
+    errors: tuple[str, ...]  # "" where OK, else why
+    pinned_slots: tuple[int, ...] = ()  # put: slots zmq may still read; don't overwrite yet
+
+    @property
+    def ok(self) -> tuple[bool, ...]:
+        return tuple(status is BlockStatus.OK for status in self.statuses)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(status is BlockStatus.OK for status in self.statuses)
+
+
+class StoreClient:
+    """A connection to one store for one namespace and (for put/get) one pool.
+
+    Without a pool only lookup/exists/delete/stats/ping work; without a namespace only
+    stats/ping. `timeout_s` bounds the wait for each reply.
+    """
+
+    def __init__(self, url: str, security: Security, *,
+                 namespace: Namespace | bytes | None = None, pool: torch.Tensor | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        tcp_host(url)
+        if not isinstance(security, Security):
+            raise ValueError(f"security must be a Security, got {security!r}")
+        if isinstance(namespace, Namespace):
+            namespace = namespace.digest
+        if namespace is not None and (not isinstance(namespace, bytes)
+                                      or len(namespace) != DIGEST_BYTES):
+            raise ValueError(f"namespace must be a Namespace or a {DIGEST_BYTES}-byte digest, "
+                             f"got {namespace!r}")
+        for name, value in (("timeout_s", timeout_s), ("batch_bytes", batch_bytes),
+                            ("max_in_flight", max_in_flight)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        self.url, self.namespace, self.timeout_s = url, namespace, float(timeout_s)
+        self._rows = None if pool is None else _pool_rows(pool)
+        block_bytes = 0 if self._rows is None else self._rows.shape[1]
+        self._blocks_per_batch = max(1, min(BATCH_BLOCKS, batch_bytes // max(1, block_bytes)))
+        self._sending: dict[int, list[zmq.MessageTracker]] = {}
+        largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
+        self._connection = Connection(url, security, max_frame_bytes=largest_frame,
+                                      max_in_flight=int(max_in_flight))
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self._rows is None else self._rows.shape[0]
+
+    @property
+    def pinned_slots(self) -> frozenset[int]:
+        """Slots an earlier put still lends to zmq: don't overwrite them yet."""
+        self._sending = {slot: trackers for slot, trackers in self._sending.items()
+                         if not all(t.done for t in trackers)}
+        return frozenset(self._sending)
+
+    def put(self, keys: Sequence[bytes], slots: Sequence[int], *,
+            timeout_s: float | None = None) -> TransferResult:
+        """Store pool slot `slots[i]` under `keys[i]`; per-block results."""
+        keys, slots = self.check_transfer(keys, slots, distinct_slots=False)
+        rows = [self._rows[slot] for slot in slots]
+        batches = []
+        for indices in self._batch_ranges(len(keys)):
+            rid = self._connection.next_request_id()
+            part = slice(indices.start, indices.stop)
+            header = partial(self._put_header, rid, keys[part], rows[part])
+            batches.append(Exchange(rid, header, indices, rows[part]))
+        statuses = [BlockStatus.FAILED] * len(keys)
+
+        def complete(batch: Exchange, reply: Reply) -> None:
+            for i, status in zip(batch.indices, reply_statuses(reply, len(batch.indices)),
+                                 strict=True):
+                statuses[i] = status
+
+        self._exchange(batches, complete, timeout_s)
+        pinned = self._wait_sent(batches, slots, timeout_s)
+        return _result(batches, statuses, [_STORE_STATUS_TEXT.get(s, "") for s in statuses],
+                       pinned)
+
+    def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
+            timeout_s: float | None = None) -> TransferResult:
+        """Fetch `keys[i]` into pool slot `slots[i]`; a slot holds its block iff status is OK."""
+        keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
+        busy = self.pinned_slots.intersection(slots)
+        if busy:
+            raise ValueError(f"slots {sorted(busy)} are still being sent by an earlier put")
+        batches = []
+        for indices in self._batch_ranges(len(keys)):
+            rid = self._connection.next_request_id()
+            header = encode_request(rid, Op.GET, self.namespace, keys[indices.start:indices.stop])
+            batches.append(Exchange(rid, header, indices))
+        statuses = [BlockStatus.FAILED] * len(keys)
+        errors = [""] * len(keys)
+
+        def complete(batch: Exchange, reply: Reply) -> None:
+            n = len(batch.indices)
+            wire = reply_statuses(reply, n)
+            sizes, sums = reply_uints(reply, "sizes", n), reply_uints(reply, "sums", n)
+            for i, status, size, checksum in zip(batch.indices, wire, sizes, sums, strict=True):
+                if status is BlockStatus.OK:
+                    statuses[i], errors[i] = self._receive_block(keys[i], self._rows[slots[i]],
+                                                                 size, checksum)
+                else:
+                    statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
+
+        self._exchange(batches, complete, timeout_s)
+        return _result(batches, statuses, errors, ())
+
+    def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """How many leading `keys` the store holds (the longest stored prefix)."""
+        keys = self.check_keys(keys)
+        found = 0
+        for start in range(0, len(keys), BATCH_BLOCKS):
+            chunk = keys[start:start + BATCH_BLOCKS]
+            prefix = self._call(Op.LOOKUP, chunk,
+                                partial(reply_count, name="prefix", upper=len(chunk)), timeout_s)
+            found += prefix
+            if prefix < len(chunk):
+                break
+        return found
+
+    def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
+        """Whether the store holds each key."""
+        return self._bools(Op.EXISTS, "found", keys, timeout_s)
+
+    def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
+        """Remove keys; True where the store held the key."""
+        return self._bools(Op.DELETE, "deleted", keys, timeout_s)
+
+    def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """The store's counters (see docs/protocol.md)."""
+        return self._call(Op.STATS, None, lambda r: _field(r, "stats", dict), timeout_s)
+
+    def ping(self, *, timeout_s: float | None = None) -> int:
+        """Round trip to the store; returns its protocol version."""
+        return self._call(Op.PING, None, lambda r: _field(r, "protocol", int), timeout_s)
+
+    def close(self) -> None:
+        """Drop the connection; frames not yet sent are discarded."""
+        self._connection.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_keys(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The keys as a list; ValueError for a key that is malformed or outside the namespace."""
+        if self.namespace is None:
+            raise ValueError("this client has no namespace: it can only run stats and ping")
+        keys = list(keys)
+        for index, key in enumerate(keys):
+            if not isinstance(key, bytes) or not DIGEST_BYTES < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"key {index} must be {DIGEST_BYTES + 1}..{MAX_KEY_BYTES} "
+                                 f"bytes, got {key!r:.80}")
+            if key[:DIGEST_BYTES] != self.namespace:
+                raise ValueError(f"key {index} ({key.hex()}) is not in this client's namespace "
+                                 f"{self.namespace.hex()}")
+        return keys
+
+    def check_transfer(self, keys: Iterable[bytes], slots: Iterable[int], *,
+                       distinct_slots: bool) -> tuple[list[bytes], list[int]]:
+        """Keys and slots as lists; ValueError for bad keys, bad slots or a length mismatch."""
+        if self._rows is None:
+            raise ValueError("this client has no pool: put and get need one")
+        keys = self.check_keys(keys)
+        try:
+            slots = [operator.index(slot) for slot in slots]
+        except TypeError as exc:
+            raise ValueError(f"slots must be ints: {exc}") from None
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
+        for slot in slots:
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} is outside the pool's 0..{self.num_slots - 1}")
+        if distinct_slots and len(set(slots)) != len(slots):
+            twice = next(s for i, s in enumerate(slots) if s in slots[:i])
+            raise ValueError(f"slot {twice} appears twice: one slot cannot receive two blocks")
+        return keys, slots
+
+    def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
+        sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
+        return encode_request(request_id, Op.PUT, self.namespace, keys,
+                              [row.nbytes for row in rows], sums)
+
+    def _bools(self, op: Op, name: str, keys: Sequence[bytes],
+               timeout_s: float | None) -> list[bool]:
+        keys = self.check_keys(keys)
+        answers: list[bool] = []
+        for start in range(0, len(keys), BATCH_BLOCKS):
+            chunk = keys[start:start + BATCH_BLOCKS]
+            answers += self._call(op, chunk, partial(reply_bools, name=name, count=len(chunk)),
+                                  timeout_s)
+        return answers
+
+    def _batch_ranges(self, total: int) -> list[range]:
+        step = self._blocks_per_batch
+        return [range(start, min(start + step, total)) for start in range(0, total, step)]
+
+    def _call(self, op: Op, keys: list[bytes] | None, parse: Callable[[Reply], Any],
+              timeout_s: float | None) -> Any:
+        rid = self._connection.next_request_id()
+        request = Exchange(rid, encode_request(rid, op, self.namespace, keys or ()))
+        parsed = []
+        self._exchange([request], lambda _, reply: parsed.append(parse(reply)), timeout_s)
+        if request.error:
+            raise StoreError(request.error)
+        return parsed[0]
+
+    def _exchange(self, requests: list[Exchange], complete: Callable[[Exchange, Reply], None],
+                  timeout_s: float | None) -> None:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self._connection.exchange(requests, complete, timeout)
+
+    def _receive_block(self, key: bytes, row: np.ndarray, size: int,
+                       checksum: int) -> tuple[BlockStatus, str]:
+        connection = self._connection
+        if not connection.more_frames():
+            return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
+        if size != row.nbytes:
+            connection.skip_frame()
+            return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
+                                      f"is {row.nbytes} B")
+        received = connection.recv_into(row)  # straight into the slot; the frame's full size
+        if received != size:
+            return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
+        if block_checksum(row, key) != checksum:
+            return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
+        return BlockStatus.OK, ""
+
+    def _wait_sent(self, requests: list[Exchange], slots: list[int],
+                   timeout_s: float | None) -> tuple[int, ...]:
+        """Wait until zmq is done with every put frame; slots it still holds stay pinned."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        for request in requests:
+            for index, tracker in zip(request.indices, request.trackers, strict=False):
+                try:
+                    tracker.wait(max(0.0, deadline - time.monotonic()))
+                except zmq.NotDone:
+                    self._sending.setdefault(slots[index], []).append(tracker)
+        return tuple(sorted(self.pinned_slots.intersection(slots)))
+
+
+def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],
+            pinned: tuple[int, ...]) -> TransferResult:
+    for request in requests:
+        for index in request.indices if request.error else ():
+            statuses[index], errors[index] = BlockStatus.FAILED, request.error
+    errors = ["" if s is BlockStatus.OK else e for s, e in zip(statuses, errors, strict=True)]
+    return TransferResult(tuple(statuses), tuple(errors), pinned)
+
+
+def _field(reply: Reply, name: str, kind: type) -> Any:
+    value = reply.fields.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ProtocolError(f"reply {name} must be a {kind.__name__}, got {value!r:.200}")
+    return value
+
+
+def _pool_rows(pool: torch.Tensor) -> np.ndarray:
+    import torch  # only clients with a pool need torch; lookup-only clients and the CLI don't
+
+    if (not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8
+            or pool.device.type != "cpu" or 0 in pool.shape):
+        raise ValueError(f"pool must be a non-empty 2-D uint8 CPU tensor (num_slots, "
+                         f"block_bytes), got {_describe(pool)}")
+    if pool.stride(1) != 1:
+        raise ValueError(f"pool rows must be contiguous (stride 1), got strides {pool.stride()}")
+    return pool.numpy()  # shares the memory: rows are the slots themselves
+
+
+def _describe(value: Any) -> str:
+    shape, dtype, device = (getattr(value, a, None) for a in ("shape", "dtype", "device"))
+    return f"{type(value).__name__} shape={tuple(shape) if shape is not None else None} " \
+           f"dtype={dtype} device={device}"

@@ -1,0 +1,215 @@
+"""A client's socket to the store: pipelined requests over one DEALER, timeouts, reconnects.
+
+The DEALER is `immediate` (nothing is queued for a store that is not connected, so a send waits
+for a live connection instead) and watched by a zmq monitor: a connection lost during a call, or
+a handshake the store refuses, fails the call's requests at once rather than at their timeout.
+After any failure the socket is closed (unsent frames are dropped, their trackers complete) and
+a fresh one connects, so a late reply can never reach a slot the caller took back and a
+restarted store is found again.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from transfer.remote.protocol import ProtocolError, Reply, decode_reply
+from transfer.remote.security import Security
+
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class StoreError(Exception):
+    """A request without a usable reply: timeout, lost connection, refusal, malformed reply."""
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One request in flight: its header and block frames, and what became of it."""
+
+    request_id: int
+    # the header, or a function building it just before the send (a put computes its checksums
+    # then, overlapping the frames already on their way)
+    header: bytes | Callable[[], bytes]
+    indices: range = range(0)  # the caller's positions of the request's keys
+    frames: list[Any] = field(default_factory=list)  # buffers sent zero-copy after the header
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    deadline: float = 0.0
+    error: str = ""  # set when no usable reply came
+
+
+class Connection:
+    """The DEALER socket of one client; not thread-safe."""
+
+    def __init__(self, url: str, security: Security, *, max_frame_bytes: int,
+                 max_in_flight: int) -> None:
+        self.url = url
+        self._security = security
+        self._max_frame_bytes = max_frame_bytes
+        self._max_in_flight = max_in_flight
+        self._context = zmq.Context.instance()
+        self._request_ids = count(1)
+        self._sock: zmq.Socket | None = None
+        self._connect()
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def exchange(self, requests: list[Exchange], complete: Callable[[Exchange, Reply], None],
+                 timeout_s: float) -> None:
+        """Send with at most max_in_flight unanswered; `complete` takes each reply and reads
+        its block frames; a request without a usable reply gets `error` set."""
+        if self._sock is None:
+            raise ValueError(f"the connection to {self.url} is closed")
+        queue: deque[Exchange] = deque(requests)
+        pending: dict[int, Exchange] = {}
+        self._read_monitor(raise_failures=False)  # catch up with what happened while idle
+        if self._refusal:  # zmq may not retry a refused handshake: start a fresh attempt
+            self._reconnect()
+        try:
+            while queue or pending:
+                while queue and len(pending) < self._max_in_flight:
+                    request = queue.popleft()
+                    pending[request.request_id] = request
+                    request.deadline = time.monotonic() + timeout_s
+                    self._send(request)
+                self._wait(min(r.deadline for r in pending.values()), zmq.POLLIN)
+                self._receive_reply(pending, complete)
+        except StoreError as exc:
+            for request in (*pending.values(), *queue):
+                request.error = str(exc)
+            self._reconnect()
+        except BaseException:
+            self._reconnect()  # never leave a half-read message or a live request behind
+            raise
+
+    def more_frames(self) -> bool:
+        """Whether the reply being read has another frame."""
+        return bool(self._sock.rcvmore)
+
+    def recv_into(self, buffer: Any) -> int:
+        """Receive the next frame into `buffer`; returns the frame's full size (larger than
+        the buffer when truncated)."""
+        return self._sock.recv_into(buffer)
+
+    def skip_frame(self) -> None:
+        self._sock.recv(copy=False)
+
+    def close(self) -> None:
+        """Close the socket; frames not yet sent are dropped."""
+        if self._sock is not None:
+            self._disconnect()
+
+    def _send(self, request: Exchange) -> None:
+        if callable(request.header):
+            request.header = request.header()
+        flags = zmq.SNDMORE if request.frames else 0
+        while True:
+            self._wait(request.deadline, zmq.POLLOUT)
+            try:
+                self._sock.send(request.header, flags | zmq.NOBLOCK)
+                break
+            except zmq.Again:  # the connection went between poll and send
+                continue
+        # the rest of a multipart message never blocks: zmq admits messages whole
+        for index, frame in enumerate(request.frames):
+            more = zmq.SNDMORE if index < len(request.frames) - 1 else 0
+            request.trackers.append(self._sock.send(frame, more, copy=False, track=True))
+
+    def _receive_reply(self, pending: dict[int, Exchange],
+                       complete: Callable[[Exchange, Reply], None]) -> None:
+        try:
+            reply = decode_reply(self._sock.recv())
+        except ProtocolError as exc:
+            raise StoreError(f"malformed reply from the store at {self.url}: {exc}") from None
+        request = pending.pop(reply.request_id, None)
+        try:
+            if request is None and not reply.ok and reply.request_id is None:
+                raise StoreError(f"the store could not read a request ({reply.code}): "
+                                 f"{reply.error}")
+            if request is None:
+                return  # a reply to a request given up on
+            if not reply.ok:
+                request.error = f"the store refused the request ({reply.code}): {reply.error}"
+            else:
+                complete(request, reply)
+        except ProtocolError as exc:
+            request.error = f"malformed reply from the store at {self.url}: {exc}"
+        finally:
+            while self._sock.rcvmore:  # frames nobody read
+                self._sock.recv(copy=False)
+
+    def _wait(self, deadline: float, event: int) -> None:
+        self._poller.register(self._sock, event)
+        while True:
+            remaining_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                what = "reply from" if event == zmq.POLLIN else "connection to"
+                raise StoreError(f"no {what} the store at {self.url} within the timeout")
+            ready = dict(self._poller.poll(remaining_ms))
+            if self._monitor in ready:
+                self._read_monitor(raise_failures=True)
+            if ready.get(self._sock, 0) & event:
+                return
+
+    def _read_monitor(self, raise_failures: bool) -> None:
+        while self._monitor.poll(0):
+            message = recv_monitor_message(self._monitor)
+            event, value = message["event"], message["value"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected, self._refusal = True, ""
+                continue
+            if event == zmq.EVENT_DISCONNECTED:
+                lost, self._connected = self._connected, False
+                if lost and raise_failures:
+                    raise StoreError(f"lost the connection to the store at {self.url}")
+                continue
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self._refusal = (f"the store at {self.url} refused this client's credentials "
+                                 f"(authentication failed, ZAP status {int(value)})")
+            else:
+                self._refusal = (f"security handshake with the store at {self.url} failed "
+                                 f"({zmq.Event(event).name}): do both sides use the same "
+                                 f"security mode and keys?")
+            if raise_failures:
+                raise StoreError(self._refusal)
+
+    def _connect(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        monitor = None
+        try:
+            sock.linger = 0
+            sock.immediate = 1
+            sock.maxmsgsize = self._max_frame_bytes
+            self._security.apply_client(sock, self.url)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            sock.connect(self.url)
+        except Exception:
+            if monitor is not None:
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        self._sock, self._monitor = sock, monitor
+        self._connected, self._refusal = False, ""
+        self._poller = zmq.Poller()
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _disconnect(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._sock = None
+
+    def _reconnect(self) -> None:
+        self._disconnect()
+        self._connect()

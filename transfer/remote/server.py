@@ -1,0 +1,267 @@
+"""The store server: one ROUTER socket, one thread, blocks in memory (transfer.remote.store).
+
+Requests are served one message at a time in arrival order, so clients interleave at request
+granularity; zmq's IO thread does the socket work. Blocks are received zero-copy (the store keeps
+the frame) and sent zero-copy with a MessageTracker that keeps them pinned until zmq is done.
+Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
+the `kvconnector store serve` command).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from transfer.remote.protocol import (
+    PROTOCOL_VERSION,
+    BlockStatus,
+    ErrorCode,
+    Limits,
+    Op,
+    Request,
+    RequestError,
+    block_checksum,
+    decode_request,
+    encode_error,
+    encode_reply,
+)
+from transfer.remote.security import Security, tcp_host
+from transfer.remote.store import BlockStore, StoredBlock
+
+log = logging.getLogger(__name__)
+
+_MESSAGES_PER_WAKE = 256  # then look at the stop flag and the send trackers again
+_IDLE_POLL_MS = 100
+_BUSY_POLL_MS = 5  # while replies are in flight, release their pins promptly
+COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "put_existing",
+            "put_corrupt", "put_size", "put_full", "get_blocks", "get_bytes", "get_missing",
+            "request_errors", "internal_errors", "dropped_replies", "auth_refused")
+# one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
+_AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class StoreServer:
+    """A block store listening on `listen` (tcp://HOST:PORT; PORT may be * for a free port)."""
+
+    def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
+                 limits: Limits | None = None) -> None:
+        tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
+        if not isinstance(security, Security):
+            raise ValueError(f"security must be a Security, got {security!r}")
+        self.listen = listen
+        self.limits = limits or Limits()
+        self._store = BlockStore(capacity_bytes)
+        self._security = security
+        self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._in_flight: list[tuple[zmq.MessageTracker, StoredBlock]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._context: zmq.Context | None = None
+        self._auth: Any = None
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self.endpoint: str | None = None
+
+    def bind(self) -> str:
+        """Set up security, bind, and return the bound endpoint (with the real port)."""
+        self._context = zmq.Context()
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            self._auth = self._security.apply_server(self._context, sock, self.listen)
+            sock.router_mandatory = 1  # a reply to a vanished client fails instead of vanishing
+            sock.linger = 0
+            sock.maxmsgsize = self.limits.max_frame_bytes
+            self._monitor = sock.get_monitor_socket(_AUTH_FAILURES)
+            sock.bind(self.listen)
+        except Exception:
+            sock.close(linger=0)
+            self._shutdown()
+            raise
+        self._sock = sock
+        self.endpoint = sock.last_endpoint.decode()
+        return self.endpoint
+
+    def start(self) -> str:
+        """Bind and serve on a background thread; returns the bound endpoint."""
+        endpoint = self.bind()
+        self._thread = threading.Thread(target=self._serve, name="kvconnector-store", daemon=True)
+        self._thread.start()
+        return endpoint
+
+    def serve_forever(self) -> None:
+        """Bind (unless already bound) and serve in this thread until `stop()`."""
+        if self.endpoint is None:
+            self.bind()
+        self._serve()
+
+    def stop(self) -> None:
+        """Stop serving (from any thread or a signal handler) and wait for the thread if any."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> StoreServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, sizes and limits, as the stats op returns them."""
+        store = self._store
+        return {
+            "protocol": PROTOCOL_VERSION, "security": self._security.mode.value,
+            "blocks": len(store), "used_bytes": store.used_bytes,
+            "capacity_bytes": store.capacity_bytes, "pinned_blocks": store.pinned_blocks,
+            "evictions": store.evictions, "max_block_bytes": self.limits.max_block_bytes,
+            "max_batch_blocks": self.limits.max_batch_blocks, **self._counters,
+        }
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(_BUSY_POLL_MS if self._in_flight else _IDLE_POLL_MS))
+                if self._monitor in ready:
+                    self._count_refusals()
+                if self._sock in ready:
+                    for _ in range(_MESSAGES_PER_WAKE):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                self._release_sent()
+        finally:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._context is not None:
+            self._context.destroy(linger=0)
+
+    def _count_refusals(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            self._counters["auth_refused"] += 1
+            log.warning("refused a peer's handshake on %s: %s (%s)", event["endpoint"].decode(),
+                        zmq.Event(event["event"]).name, event["value"])
+
+    def _release_sent(self) -> None:
+        if not self._in_flight:
+            return
+        waiting = []
+        for tracker, block in self._in_flight:
+            if tracker.done:
+                self._store.unpin(block)
+            else:
+                waiting.append((tracker, block))
+        self._in_flight = waiting
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity, header, blocks = frames[0].bytes, frames[1], frames[2:]
+        request_id = None
+        try:
+            request = decode_request(header.buffer, self.limits)
+            request_id = request.request_id
+            if request.op is not Op.PUT and blocks:
+                raise RequestError(ErrorCode.FRAMES, f"{request.op.value} carries no block "
+                                   f"frames, got {len(blocks)}", request_id)
+            self._counters[f"requests_{request.op.value}"] += 1
+            self._dispatch(identity, request, blocks)
+        except RequestError as exc:
+            self._counters["request_errors"] += 1
+            log.warning("refused a request: %s: %s", exc.code.value, exc)
+            self._reply(identity, encode_error(exc.request_id, exc.code, str(exc)))
+        except Exception:  # a bug must cost one request, not the store
+            self._counters["internal_errors"] += 1
+            log.exception("internal error serving a request")
+            self._reply(identity, encode_error(request_id, ErrorCode.INTERNAL, "internal error"))
+
+    def _dispatch(self, identity: bytes, request: Request, blocks: list[zmq.Frame]) -> None:
+        store, rid = self._store, request.request_id
+        if request.op is Op.PUT:
+            self._reply(identity, encode_reply(rid, status=self._put(request, blocks)))
+        elif request.op is Op.GET:
+            self._get(identity, request)
+        elif request.op is Op.LOOKUP:
+            self._reply(identity, encode_reply(rid, prefix=store.prefix_length(request.keys)))
+        elif request.op is Op.EXISTS:
+            self._reply(identity, encode_reply(rid, found=[k in store for k in request.keys]))
+        elif request.op is Op.DELETE:
+            self._reply(identity, encode_reply(rid, deleted=[store.delete(k)
+                                                             for k in request.keys]))
+        elif request.op is Op.STATS:
+            self._reply(identity, encode_reply(rid, stats=self.stats()))
+        else:
+            self._reply(identity, encode_reply(rid, protocol=PROTOCOL_VERSION))
+
+    def _put(self, request: Request, blocks: list[zmq.Frame]) -> list[str]:
+        if len(blocks) != len(request.keys):
+            raise RequestError(ErrorCode.FRAMES, f"put declares {len(request.keys)} blocks but "
+                               f"carries {len(blocks)} frames", request.request_id)
+        statuses = []
+        for key, size, checksum, frame in zip(request.keys, request.sizes, request.checksums,
+                                              blocks, strict=True):
+            view = frame.buffer
+            if view.nbytes != size:
+                status, counter = BlockStatus.SIZE, "put_size"
+            elif self._store.get(key) is not None:  # already held: same key, same bytes
+                status, counter = BlockStatus.OK, "put_existing"
+            elif block_checksum(view, key) != checksum:
+                status, counter = BlockStatus.CORRUPT, "put_corrupt"
+            elif self._store.insert(key, frame, checksum):
+                status, counter = BlockStatus.OK, "put_blocks"
+                self._counters["put_bytes"] += size
+            else:
+                status, counter = BlockStatus.FULL, "put_full"
+            self._counters[counter] += 1
+            statuses.append(status.value)
+        return statuses
+
+    def _get(self, identity: bytes, request: Request) -> None:
+        statuses, sizes, sums, found = [], [], [], []
+        for key in request.keys:
+            block = self._store.get(key)
+            if block is None:
+                statuses.append(BlockStatus.MISSING.value)
+                sizes.append(0)
+                sums.append(0)
+                continue
+            statuses.append(BlockStatus.OK.value)
+            sizes.append(block.size)
+            sums.append(block.checksum)
+            found.append(block)
+        self._counters["get_blocks"] += len(found)
+        self._counters["get_missing"] += len(request.keys) - len(found)
+        self._counters["get_bytes"] += sum(sizes)
+        header = encode_reply(request.request_id, status=statuses, sizes=sizes, sums=sums)
+        self._reply(identity, header, found)
+
+    def _reply(self, identity: bytes, header: bytes, blocks: Sequence[StoredBlock] = ()) -> None:
+        try:
+            self._sock.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
+            self._counters["dropped_replies"] += 1
+            log.warning("dropped a reply: %s", exc)
+            return
+        self._sock.send(header, zmq.SNDMORE if blocks else 0)
+        for index, block in enumerate(blocks):
+            more = zmq.SNDMORE if index < len(blocks) - 1 else 0
+            tracker = self._sock.send(block.view, more, copy=False, track=True)
+            self._store.pin(block)
+            self._in_flight.append((tracker, block))

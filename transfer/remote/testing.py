@@ -1,0 +1,113 @@
+"""Test helpers: a store server in a child process (start, SIGKILL, restart) and a bare peer.
+
+StoreProcess runs `python -m transfer.remote.cli store serve ...` (the `kvconnector store serve`
+command without the torch import) on a free loopback port; the child's log goes to a file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from transfer.remote.security import Security
+
+_LISTENING = re.compile(r"listening on (tcp://\S+)")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+class StoreProcess:
+    """One store server process; `url` stays the same across `kill()` and `start()`."""
+
+    def __init__(self, log_path: str | Path, capacity: str = "256MiB",
+                 security_args: tuple[str, ...] = ("--security", "none"),
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.log_path = Path(log_path)
+        self.capacity = capacity
+        self.security_args = tuple(security_args)
+        self.extra_args = tuple(extra_args)
+        self.url: str | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str:
+        """Start the server (on the same port as before, after a kill); returns its URL."""
+        if self.process is not None:
+            self.process.stdout.close()  # the previous run's pipe
+        listen = self.url or "tcp://127.0.0.1:*"
+        command = [sys.executable, "-m", "transfer.remote.cli", "store", "serve", "--listen",
+                   listen, "--capacity", self.capacity, *self.security_args, *self.extra_args]
+        # the child imports this very `transfer` package, wherever the parent found it
+        path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
+                                            env={**os.environ, "PYTHONPATH": path,
+                                                 "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([self.process.stdout], [], [], 0.2)
+            if readable:
+                line = self.process.stdout.readline().decode()
+                match = _LISTENING.search(line)
+                if match:
+                    self.url = match.group(1)
+                    return self.url
+            if self.process.poll() is not None:
+                break
+        self.kill()
+        raise RuntimeError(f"store server did not start: {' '.join(command)}; log:\n"
+                           f"{self.log_path.read_text(errors='replace')[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no goodbye to the clients."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT_S)
+
+    def stop(self) -> int | None:
+        """SIGTERM and wait (SIGKILL if it lingers); returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process.stdout.close()
+        return self.process.returncode
+
+    def __enter__(self) -> StoreProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RawPeer:
+    """A bare DEALER for speaking (or mis-speaking) the protocol to a store in tests."""
+
+    def __init__(self, url: str, security: Security | None = None) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.linger = 0
+        (security or Security.none()).apply_client(self._sock, url)
+        self._sock.connect(url)
+
+    def request(self, frames: list[bytes], timeout_s: float = 10.0) -> list[bytes] | None:
+        """Send one multipart message; the reply's frames, or None if none came in time."""
+        self._sock.send_multipart(frames)
+        if not self._sock.poll(int(timeout_s * 1000)):
+            return None
+        return self._sock.recv_multipart()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
