@@ -48,7 +48,10 @@ class CudaCompletion(Completion):
     def __init__(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
                  error: BaseException | None = None) -> None:
         self.start, self.end, self.error = start, end, error
-        self._done = error is not None
+        # A job that failed part-way may have queued copies before the failure: it is done only
+        # when its end event is (nothing may reuse its blocks or slots earlier). Done at once
+        # only when nothing was queued.
+        self._done = end is None
 
     def done(self) -> bool:
         if not self._done:
