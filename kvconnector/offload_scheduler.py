@@ -12,6 +12,13 @@ Life of a job: `plan_load` / `plan_stores` / `request_finished` create jobs; `bu
 out once; every worker reports each job done or failed (`JobReport`, summed over ranks by vLLM's
 aggregation); when all `num_workers` have reported, `complete` finishes it in the index.
 
+With a remote store (kvconnector/remote_tier.py): `lookup` keeps the keys past the CPU tier's
+hits (`remote_candidates`); the adapter asks the store and sets `set_remote_hits`; a load job
+then also fetches those blocks from the store into slots reserved like stores (a good fetch
+leaves them in the CPU tier). Every store job is also put to the store by every worker once
+copied (write-through); its keys are readable at once and pinned until every worker reports the
+put (`JobReport.put`), so no new store reuses a slot zmq still reads.
+
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
   returns True) until every worker has reported its stores done (`StepJobs.held`);
@@ -30,12 +37,19 @@ from transfer.keys import Namespace
 
 @dataclass(frozen=True)
 class TransferJob:
-    """Copy `block_ids[i]` (GPU) <-> `slots[i]` (host pool) for every i, as one job."""
+    """Copy `block_ids[i]` (GPU) <-> `slots[i]` (host pool) for every i, as one job.
+
+    With a remote tier: a store's `keys` are put to the store after the copy (write-through);
+    a load's `keys` are fetched from the store into the last len(keys) slots before the copy.
+    `fail`: the job cannot run (no slot for a fetch); the worker reports it failed at once.
+    """
 
     job_id: int
     req_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+    fail: bool = False
 
 
 @dataclass
@@ -62,6 +76,7 @@ class JobReport:
 
     done: dict[int, int] = field(default_factory=dict)  # job id -> workers that copied it
     failed: dict[int, int] = field(default_factory=dict)  # job id -> workers that failed it
+    put: dict[int, int] = field(default_factory=dict)  # store job id -> workers done putting it
     load_bytes: int = 0
     load_seconds: float = 0.0
     store_bytes: int = 0
@@ -73,13 +88,16 @@ class JobReport:
             done[job_id] = done.get(job_id, 0) + count
         for job_id, count in other.failed.items():
             failed[job_id] = failed.get(job_id, 0) + count
-        return JobReport(done, failed, self.load_bytes + other.load_bytes,
+        put = dict(self.put)
+        for job_id, count in other.put.items():
+            put[job_id] = put.get(job_id, 0) + count
+        return JobReport(done, failed, put, self.load_bytes + other.load_bytes,
                          self.load_seconds + other.load_seconds,
                          self.store_bytes + other.store_bytes,
                          self.store_seconds + other.store_seconds)
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed)
+        return not (self.done or self.failed or self.put)
 
 
 @dataclass
@@ -96,6 +114,8 @@ class OffloadCounters:
     failed_stores: int = 0
     evictions: int = 0
     unplaced_blocks: int = 0  # blocks not stored: every slot busy
+    remote_hit_tokens: int = 0  # of hit_tokens, fetched from the remote store
+    remote_lookup_failures: int = 0  # store lookups late or failed (answered from the CPU tier)
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
 
 
@@ -107,6 +127,24 @@ class _Job:
     start_block: int  # index in the request's block table of the first block
     pending: int  # workers yet to report
     failed: bool = False
+    fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a remote get
+
+
+@dataclass
+class _Put:
+    keys: list[bytes]
+    pending: int  # workers yet to report the put
+    finished: bool = False  # the store job is done
+    pinned: bool = False  # the keys are pinned (the store succeeded)
+
+
+@dataclass
+class _Lookup:
+    start: int  # first block asked about
+    asked: int  # blocks asked about
+    cpu_hits: int  # leading blocks the CPU tier holds
+    rest: list[bytes]  # keys of the blocks after those (the remote tier's candidates)
+    remote_hits: int = 0
 
 
 @dataclass
@@ -124,7 +162,7 @@ class OffloadScheduler:
     """
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
-                 policy: str = "lru") -> None:
+                 policy: str = "lru", *, remote: bool = False, remote_only: bool = False) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -132,9 +170,17 @@ class OffloadScheduler:
         self.block_size = block_size
         self.num_workers = num_workers
         self.index = BlockIndex(namespace, num_slots, policy)
+        # remote: jobs carry keys (write-through puts, fetches); remote_only: the pool is only
+        # staging, every key leaves the index once its job is done.
+        self.remote = remote or remote_only
+        self.remote_only = remote_only
         self._requests: dict[str, _Request] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # request -> (first block, blocks) asked
+        self._lookups: dict[str, _Lookup] = {}  # request -> its last lookup
         self._jobs: dict[int, _Job] = {}
+        # Write-through: store job -> its put (every worker reports one per remote store job,
+        # a failed copy included); the keys stay pinned like a load meanwhile, so no new store
+        # reuses their slots while zmq reads them.
+        self._puts: dict[int, _Put] = {}
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
@@ -153,34 +199,64 @@ class OffloadScheduler:
         end = min(len(block_hashes), num_tokens // self.block_size)
         keys = self.namespace.keys(list(block_hashes[start:end]))
         hits = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
-        self._lookups[req_id] = (start, len(keys))
+        self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
         return hits * self.block_size
+
+    def remote_candidates(self, req_id: str) -> list[bytes]:
+        """Keys of the last lookup after the CPU tier's hits (what to ask the store for)."""
+        lookup = self._lookups.get(req_id)
+        return [] if lookup is None else list(lookup.rest)
+
+    def set_remote_hits(self, req_id: str, blocks: int) -> None:
+        """The store holds the first `blocks` remote candidates of the last lookup."""
+        lookup = self._lookups[req_id]
+        if not 0 <= blocks <= len(lookup.rest):
+            raise ValueError(f"request {req_id!r}: {blocks} remote hits of {len(lookup.rest)}")
+        lookup.remote_hits = blocks
 
     # ---- planning --------------------------------------------------------------------------
 
     def plan_load(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
-                  num_external_tokens: int) -> None:
+                  num_external_tokens: int) -> tuple[int, int]:
         """Load `num_external_tokens` after the last lookup's start into the request's blocks
-        (`block_ids`: its whole block table). Also counts the admission's hits and misses."""
-        start, asked = self._lookups.pop(req_id, (0, 0))
+        (`block_ids`: its whole block table). Also counts the admission's hits and misses.
+        Returns (blocks from the CPU tier, blocks fetched from the remote store)."""
+        lookup = self._lookups.pop(req_id, None) or _Lookup(0, 0, 0, [])
+        start, asked = lookup.start, lookup.asked
         hit_blocks, rest = divmod(num_external_tokens, self.block_size)
-        if rest or hit_blocks > asked:
+        if rest or hit_blocks > lookup.cpu_hits + lookup.remote_hits:
             raise ValueError(f"request {req_id!r}: cannot load {num_external_tokens} tokens; the "
-                             f"last lookup offered {asked} blocks of {self.block_size}")
+                             f"last lookup offered {lookup.cpu_hits + lookup.remote_hits} "
+                             f"blocks of {self.block_size}")
         self._counters.hit_tokens += hit_blocks * self.block_size
         self._counters.miss_tokens += (asked - hit_blocks) * self.block_size
         if hit_blocks == 0:
-            return
+            return 0, 0
+        cpu_blocks = min(hit_blocks, lookup.cpu_hits)
+        self._counters.remote_hit_tokens += (hit_blocks - cpu_blocks) * self.block_size
+        fetch_keys = lookup.rest[:hit_blocks - cpu_blocks]
         state = self._requests.setdefault(req_id, _Request())
         if len(block_ids) < start + hit_blocks:
             raise ValueError(f"request {req_id!r}: {len(block_ids)} blocks allocated, the load "
                              f"needs {start + hit_blocks}")
-        keys = self.namespace.keys(list(block_hashes[start:start + hit_blocks]))
+        keys = self.namespace.keys(list(block_hashes[start:start + cpu_blocks]))
         plan = self.index.prepare_load(keys)
+        slots, fail = list(plan.slots), False
+        if fetch_keys:
+            # Fetched blocks land in slots reserved as stores: nothing else reads or evicts
+            # them until the job ends, and a good fetch leaves them in the CPU tier.
+            fetch = self.index.prepare_store(fetch_keys)
+            if fetch.keys != fetch_keys:  # no room, or a key already on its way: give up
+                self.index.complete_store(fetch.keys, False)
+                fetch_keys, fail = [], True
+            slots += fetch.slots
         state.stored_upto = max(state.stored_upto, start + hit_blocks)
         job_id = self._add_job(state, req_id, False, keys, start)
+        self._jobs[job_id].fetch_keys = fetch_keys
         destination = tuple(block_ids[start:start + hit_blocks])
-        self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(plan.slots)))
+        self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(slots),
+                                            tuple(fetch_keys), fail))
+        return cpu_blocks, hit_blocks - cpu_blocks
 
     def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
                     num_ready_tokens: int) -> None:
@@ -198,9 +274,12 @@ class OffloadScheduler:
             return
         position = {key: start + i for i, key in enumerate(keys)}
         job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
+        if self.remote:
+            self._puts[job_id] = _Put(list(plan.keys), self.num_workers)
         self._step.stores.append(TransferJob(job_id, req_id,
                                              tuple(block_ids[position[k]] for k in plan.keys),
-                                             tuple(plan.slots)))
+                                             tuple(plan.slots),
+                                             tuple(plan.keys) if self.remote else ()))
 
     def request_preempted(self, req_id: str) -> None:
         """The request's blocks were freed: its stores in flight must finish before the next
@@ -254,6 +333,23 @@ class OffloadScheduler:
         for job_id in {**report.done, **report.failed}:
             if self._jobs[job_id].pending == 0:
                 self._finish(job_id)
+        for job_id, count in report.put.items():
+            put = self._puts.get(job_id)
+            if put is None or count > put.pending:
+                raise ValueError(f"put report of {count} worker(s) for job {job_id!r}, which "
+                                 f"{'waits for ' + str(put.pending) if put else 'is unknown'}")
+            put.pending -= count
+            self._settle_put(job_id)
+
+    def _settle_put(self, job_id: int) -> None:
+        put = self._puts[job_id]
+        if not put.finished or put.pending:
+            return
+        del self._puts[job_id]
+        if put.pinned:
+            self.index.complete_load(put.keys)
+            if self.remote_only:  # the store has them; the pool was staging
+                self.index.remove([k for k in put.keys if self.index.contains(k)])
 
     def _finish(self, job_id: int) -> None:
         job = self._jobs.pop(job_id)
@@ -262,8 +358,17 @@ class OffloadScheduler:
         if job.is_store:
             self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
+            put = self._puts.get(job_id)
+            if put is not None:
+                if not job.failed:  # readable at once, pinned until every put is done
+                    self.index.prepare_load(job.keys)
+                    put.pinned = True
+                put.finished = True
+                self._settle_put(job_id)
         else:
             self.index.complete_load(job.keys)
+            if job.fetch_keys:
+                self.index.complete_store(job.fetch_keys, not job.failed and not self.remote_only)
             if job.failed:
                 # The slots may hold bad bytes: drop the keys so the recomputed blocks are
                 # stored again, and store this request's blocks again from the failed load on.
@@ -288,14 +393,17 @@ class OffloadScheduler:
 
     def has_jobs(self) -> bool:
         """Jobs planned or in flight: the engine must keep stepping to complete them."""
-        return bool(self._jobs)
+        return bool(self._jobs or self._puts)
+
+    def count_lookup_failures(self, count: int) -> None:
+        self._counters.remote_lookup_failures += count
 
     def take_counters(self) -> OffloadCounters:
         """Counters since the last call (jobs_in_flight is the current value)."""
         evictions = self.index.stats.evictions
         counters, self._counters = self._counters, OffloadCounters()
         counters.evictions = evictions - self._evictions_seen
-        counters.jobs_in_flight = len(self._jobs)
+        counters.jobs_in_flight = len(self._jobs) + len(self._puts)
         self._evictions_seen = evictions
         return counters
 

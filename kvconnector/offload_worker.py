@@ -15,17 +15,21 @@ the work the compute stream had queued), then `poll` and `take_report`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 import torch
 
 from kvconnector.layout import KVForm, KVLayout
-from kvconnector.offload_scheduler import JobReport, StepJobs
+from kvconnector.offload_scheduler import JobReport, StepJobs, TransferJob
 from kvconnector.recognize import recognize
+from kvconnector.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy_backends import CopyBackend
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.pool import HostPool
+from transfer.remote.client import TransferResult as StoreResult
 
 BLOCK_MAJOR = "block-major"
 PER_LAYER = "per-layer"
@@ -84,6 +88,17 @@ class OffloadWorker:
         self._stores: dict[int, str] = {}  # job -> request
         self._held: set[str] = set()
         self._report = JobReport()
+        self.remote: RemoteFetcher | None = None  # set by attach_remote
+        self._fetching: dict[int, tuple[TransferJob, Future[StoreResult]]] = {}
+        self._putting: dict[int, tuple[Future[StoreResult], tuple[int, ...]]] = {}
+        self._put_keys: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}
+        self._doomed: list[TransferJob] = []
+        self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
+        self.remote_failures = 0  # jobs whose get or put failed (or could not run)
+
+    def attach_remote(self, fetcher: RemoteFetcher) -> None:
+        """Use a remote store as the second tier (its client reads and writes `pool.slots`)."""
+        self.remote = fetcher
 
     def describe(self) -> str:
         """One line: how blocks move and why."""
@@ -102,14 +117,22 @@ class OffloadWorker:
 
     def start_loads(self, step: StepJobs) -> None:
         for job in step.loads:
-            self._loads[job.job_id] = (job.req_id, job.block_ids)
-            self.engine.submit_load(job.job_id, job.slots, job.block_ids)
+            if job.fail or (job.keys and self.remote is None):
+                self._doomed.append(job)
+            elif job.keys:  # fetch from the store into the reserved slots first (see poll)
+                fetch_slots = job.slots[len(job.slots) - len(job.keys):]
+                self._fetching[job.job_id] = (job, self.remote.get(job.keys, fetch_slots))
+            else:
+                self._loads[job.job_id] = (job.req_id, job.block_ids)
+                self.engine.submit_load(job.job_id, job.slots, job.block_ids)
 
     def submit_stores(self, step: StepJobs) -> None:
         """After the forward: each store copies after the work queued on the compute stream.
         A store the engine drops under pressure is reported failed, like a failed copy."""
         for job in step.stores:
             self._stores[job.job_id] = job.req_id
+            if job.keys and self.remote is not None:
+                self._put_keys[job.job_id] = (job.keys, job.slots)
             self.engine.submit_store(job.job_id, job.block_ids, job.slots)
         self._held.update(step.held)
 
@@ -118,7 +141,16 @@ class OffloadWorker:
         events = TransferEvents()
         report = self._report
         for result in self.engine.get_finished():
-            (report.done if result.ok else report.failed)[result.job_id] = 1
+            # A partly fetched load copied its good head; its tail failed in the store.
+            tail = self._partial.pop(result.job_id, ())
+            (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
+            if result.is_store and result.ok and result.job_id in self._put_keys:
+                # Write-through; reported in `put` once done: the scheduler keeps the slots
+                # pinned until then, so no new store overwrites what zmq still reads.
+                keys, slots = self._put_keys.pop(result.job_id)
+                self._putting[result.job_id] = (self.remote.put(keys, slots), slots)
+            elif self._put_keys.pop(result.job_id, None) is not None:
+                report.put[result.job_id] = 1  # no copy, no put; the scheduler counts it
             if result.is_store:
                 del self._stores[result.job_id]
                 report.store_bytes += result.nbytes
@@ -131,10 +163,56 @@ class OffloadWorker:
             if not result.ok:
                 events.failed_loads.add(req_id)
                 events.failed_block_ids.update(block_ids)
+            elif tail:
+                events.failed_loads.add(req_id)
+                events.failed_block_ids.update(tail)  # vLLM recomputes from the first of them
+        self._poll_remote(events)
         storing = set(self._stores.values())
         events.finished_sending = {r for r in self._held if r not in storing}
         self._held -= events.finished_sending
         return events
+
+    def _poll_remote(self, events: TransferEvents) -> None:
+        """Fetches done -> their loads start (or fail); puts done -> their stores report."""
+        for job in self._doomed:
+            self._fail_load(job, events)
+        self._doomed.clear()
+        for job_id, (job, future) in list(self._fetching.items()):
+            if not future.done():
+                continue
+            del self._fetching[job_id]
+            # Load the head that is here (CPU-tier blocks, then the leading good fetches);
+            # the rest are load errors, from which vLLM recomputes (0.32 may also look the head
+            # up again: it is in the store, and loading it here costs one pool -> GPU copy).
+            good = leading_ok(future)
+            if good < len(job.keys):
+                self.remote_failures += 1
+            head = len(job.slots) - len(job.keys) + good
+            if head == 0:
+                self._fail_load(job, events, count=False)
+                continue
+            if head < len(job.block_ids):
+                self._partial[job_id] = job.block_ids[head:]
+            self._loads[job_id] = (job.req_id, job.block_ids[:head])
+            self.engine.submit_load(job_id, job.slots[:head], job.block_ids[:head])
+        for job_id, (future, slots) in list(self._putting.items()):
+            ok = settled(future)
+            if ok is None:
+                continue
+            if not ok:
+                pinned = self.remote.pinned_slots()
+                if any(slot in pinned for slot in slots):
+                    continue  # a timed-out put zmq still reads: keep the slots reserved
+                self.remote_failures += 1
+            del self._putting[job_id]
+            self._report.put[job_id] = 1  # done or failed: a failed put is a later remote miss
+
+    def _fail_load(self, job: TransferJob, events: TransferEvents, count: bool = True) -> None:
+        self.remote_failures += count
+        self._report.failed[job.job_id] = 1
+        events.finished_loads.add(job.req_id)
+        events.failed_loads.add(job.req_id)
+        events.failed_block_ids.update(job.block_ids)
 
     def take_report(self) -> JobReport:
         """Jobs finished here since the last call (for the scheduler, summed over workers)."""
@@ -144,16 +222,26 @@ class OffloadWorker:
     # ---- lifetime ----------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Block until every copy in flight is done (results still come from `poll`)."""
+        """Block until every copy and store call in flight is done (results still come from
+        `poll`; a fetched load starts there)."""
+        for future in [f for _, f in self._fetching.values()] + \
+                [f for f, _ in self._putting.values()]:
+            with contextlib.suppress(CancelledError):
+                future.exception()  # waits; store calls are bounded by their deadline
         self.engine.wait()
 
     @property
-    def jobs_in_flight(self) -> int:
-        return len(self._loads) + len(self._stores)
+    def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
+        return (len(self._loads) + len(self._stores) + len(self._fetching) + len(self._putting)
+                + len(self._doomed))
 
     def close(self) -> None:
-        """Finish the copies in flight, then release the lanes and unpin the pool."""
+        """Finish the copies and store calls in flight, then release the lanes, the store
+        connection and the pool."""
+        self.drain()
         self.engine.close()
+        if self.remote is not None:
+            self.remote.close()
         self.pool.close()
 
 

@@ -8,12 +8,17 @@ A thin layer over two vLLM-free cores: kvconnector.offload_scheduler (role SCHED
 blocks to load and store) and kvconnector.offload_worker (role WORKER, one per GPU: the pinned
 pool and the copies). Extra-config keys: see `ConnectorOptions` and examples/vllm_serve.md.
 
+With `remote_url`, a remote block store (transfer.remote) is the second tier, or the only one
+with `remote_only` (kvconnector/remote_tier.py): asynchronous lookups with a deadline past the
+CPU tier's hits, fetches into pool slots, write-through of every stored block.
+
 Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
 0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -42,6 +47,7 @@ from kvconnector.layout import BLOCK_MAJOR_ORDERS, HOST_ALIGNMENT, round_up
 from kvconnector.offload_scheduler import JobReport, OffloadCounters, OffloadScheduler, StepJobs
 from kvconnector.offload_worker import OffloadWorker
 from kvconnector.registry import decide
+from kvconnector.remote_tier import RemoteFetcher, RemoteLookups, RemoteSettings, make_security
 from transfer.copy_backends import BACKENDS, CopyBackend, make_backend
 from transfer.engine import DEFAULT_MAX_STORE_BYTES
 from transfer.keys import Namespace
@@ -71,6 +77,12 @@ class ConnectorOptions:
     accepts), a block-outermost name, or "engine" (keep vLLM's default: the per-layer path).
     copy_backend: "auto" (batched DMA on CUDA), "dma", "sm" or "thread".
     max_store_bytes: bytes of stores in flight per worker; past it new stores are skipped.
+    remote_url: a `kvconnector store serve` URL: the store becomes the second tier (lookups
+    past the CPU tier's hits, write-through of every stored block); remote_security: "none"
+    (loopback only), "secret" (remote_secret_file) or "curve" (remote_curve_key_pair,
+    remote_curve_server_key); remote_lookup_deadline_s: how long a lookup may keep a request
+    waiting; remote_timeout_s: bound of each get and put; remote_only: the host pool only
+    stages blocks on their way to and from the store (cpu_bytes sizes it).
     """
 
     cpu_bytes: int
@@ -78,6 +90,14 @@ class ConnectorOptions:
     layout: str = "auto"
     copy_backend: str = "auto"
     max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+    remote_url: str | None = None
+    remote_security: str = "none"
+    remote_secret_file: str | None = None
+    remote_curve_key_pair: str | None = None
+    remote_curve_server_key: str | None = None
+    remote_lookup_deadline_s: float = 0.2
+    remote_timeout_s: float = 5.0
+    remote_only: bool = False
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -99,7 +119,29 @@ class ConnectorOptions:
             if getattr(options, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got "
                                  f"{getattr(options, name)!r}")
+        for name in ("remote_lookup_deadline_s", "remote_timeout_s"):
+            value = getattr(options, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if options.remote_url is None:
+            remote_keys = sorted(k for k in extra if k.startswith("remote_"))
+            if remote_keys:
+                raise ValueError(f"{remote_keys} given without remote_url")
+        else:
+            options.remote()  # checks the security keys
         return options
+
+    def remote(self) -> RemoteSettings | None:
+        """The remote tier's settings, or None without remote_url."""
+        if self.remote_url is None:
+            return None
+        if not isinstance(self.remote_url, str) or not isinstance(self.remote_only, bool):
+            raise ValueError(f"remote_url must be a URL string and remote_only a bool, got "
+                             f"{self.remote_url!r}, {self.remote_only!r}")
+        security = make_security(self.remote_url, self.remote_security, self.remote_secret_file,
+                                 self.remote_curve_key_pair, self.remote_curve_server_key)
+        return RemoteSettings(self.remote_url, security, float(self.remote_lookup_deadline_s),
+                              float(self.remote_timeout_s), self.remote_only)
 
 
 # Backends vLLM may pick by itself on CUDA when none is configured (all opted in, by evidence).
@@ -197,11 +239,20 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
         self._load_errors: set[int] = set()
+        self._remote = self.options.remote()
+        self._remote_lookups: RemoteLookups | None = None
+        self._hit_split: dict[str, tuple[int, int]] = {}  # request -> (host, remote) tokens
+        parallel = vllm_config.parallel_config
+        self._namespace = _namespace(vllm_config, spec, num_layers,
+                                     parallel.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
-            parallel = vllm_config.parallel_config
-            namespace = _namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size)
-            self._scheduler = OffloadScheduler(namespace, self._num_slots, spec.block_size,
-                                               parallel.world_size, self.options.eviction)
+            remote = self._remote is not None
+            self._scheduler = OffloadScheduler(
+                self._namespace, self._num_slots, spec.block_size, parallel.world_size,
+                self.options.eviction, remote=remote,
+                remote_only=remote and self._remote.only)
+            if self._remote is not None:
+                self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -226,6 +277,16 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
                                                       config.kv_cache_groups],
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes)
+        if self._remote is not None:
+            # This rank's bytes have their own keys in the store: its TP rank, and its PP stage
+            # (other layers) in the salt. vLLM numbers ranks with TP fastest.
+            parallel = self._vllm_config.parallel_config
+            tp_rank, pp_rank = (parallel.rank % parallel.tensor_parallel_size,
+                                parallel.rank // parallel.tensor_parallel_size)
+            salt = self._namespace.salt + (f"/pp{pp_rank}" if pp_rank else "")
+            rank_namespace = dataclasses.replace(self._namespace, tp_rank=tp_rank, salt=salt)
+            self._worker.attach_remote(RemoteFetcher(self._remote, rank_namespace.digest,
+                                                     self._worker.pool.slots))
         asked, why = self._layout_request
         logger.info("CrossLayerOffloadConnector rank %d: asked for %s (%s), vLLM resolved %s; %s",
                     self._vllm_config.parallel_config.rank, asked or "vLLM's default", why,
@@ -297,6 +358,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._remote_lookups is not None:
+            self._remote_lookups.close()
+            self._remote_lookups = None
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -310,14 +374,39 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        hits = self._core().lookup(request.request_id, request.block_hashes, num_computed_tokens,
-                                   request.num_tokens)
+        core = self._core()
+        hits = core.lookup(request.request_id, request.block_hashes, num_computed_tokens,
+                           request.num_tokens)
+        candidates = core.remote_candidates(request.request_id)
+        if self._remote_lookups is not None and candidates:
+            # Past the CPU tier's hits, ask the store; None = "ask again later" while in
+            # flight; a late or failed answer is 0 (served from what the CPU tier has).
+            remote = self._remote_lookups.poll(request.request_id, candidates)
+            if remote is None:
+                return None, False
+            core.set_remote_hits(request.request_id, remote)
+            hits += remote * self._block_size
         return hits, hits > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._core().plan_load(request.request_id, request.block_hashes,
-                               blocks.get_block_ids()[0], num_external_tokens)
+        host, remote = self._core().plan_load(request.request_id, request.block_hashes,
+                                              blocks.get_block_ids()[0], num_external_tokens)
+        if remote:  # kept for get_external_cache_hit_sources, which vLLM calls right after
+            self._hit_split[request.request_id] = (host * self._block_size,
+                                                   remote * self._block_size)
+        elif num_external_tokens:  # a new plan without remote blocks (the 0-token call
+            self._hit_split.pop(request.request_id, None)  # after a load keeps the last)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        split = self._hit_split.get(request.request_id)
+        if split is None or sum(split) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        # vLLM 0.32 has no remote-store member: EXTERNAL_UNSPECIFIED is its "remote store".
+        return {source: tokens for source, tokens in
+                zip((CacheHitSource.HOST, CacheHitSource.EXTERNAL_UNSPECIFIED), split,
+                    strict=True) if tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         core = self._core()
@@ -338,6 +427,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
+        self._hit_split.pop(request.request_id, None)
+        if self._remote_lookups is not None:
+            self._remote_lookups.forget(request.request_id)
         # The last sampled token's KV is never computed; positions before it all are.
         ready = min(request.num_computed_tokens, request.num_tokens - 1)
         held = self._core().request_finished(request.request_id, request.block_hashes,
@@ -354,6 +446,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:
             return None
+        if self._remote_lookups is not None:
+            self._scheduler.count_lookup_failures(self._remote_lookups.take_failures())
         stats = OffloadStats(asdict(self._scheduler.take_counters()))
         return None if stats.is_empty() else stats
 

@@ -1,0 +1,303 @@
+"""The remote store as the connector's second tier, through vLLM 0.32's real Scheduler and
+AsyncScheduler (tests/vllm_harness.py), against a real store server process.
+
+Two engines (two scheduler/worker sets) sharing one store behave as engines sharing a prefix,
+bit-exact (the harness compares every byte a request starts from); a store killed between lookup
+and load makes the load fail and vLLM recompute; a store down at lookup costs at most the
+lookup deadline: requests are served from the CPU tier or recomputed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+import vllm_harness as h  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvconnector.vllm import (  # noqa: E402
+    ConnectorOptions,
+    CrossLayerOffloadConnector,
+    OffloadStats,
+)
+from transfer.remote.client import StoreClient  # noqa: E402
+from transfer.remote.security import Security  # noqa: E402
+from transfer.remote.testing import StoreProcess  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+BS = h.BLOCK_SIZE
+POISON = 0x5A
+MAX_STEPS = 200_000
+LOOKUP_DEADLINE_S = 0.2
+TIMEOUT_S = 1.0
+SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return h.write_model_dir(tmp_path_factory.mktemp("tiny-llama-remote"))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StoreProcess]:
+    with StoreProcess(tmp_path / "store.log", capacity="64MiB") as process:
+        yield process
+
+
+@pytest.fixture(autouse=True)
+def shut_engines_down() -> Iterator[None]:
+    engines = h.Engine.live
+    yield
+    for engine in list(engines):
+        lookups = engine.connector._remote_lookups
+        if lookups is not None:
+            lookups.close()
+    h.Engine.shutdown_all()
+
+
+def block_bytes(tp: int) -> int:
+    return h.NUM_LAYERS * (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2
+
+
+def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: int = 1,
+                cpu_slots: int = 64, **extra: object) -> h.Engine:
+    config = {"cpu_bytes": cpu_slots * block_bytes(tp), "remote_url": url,
+              "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
+    return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
+                                  tensor_parallel_size=tp, extra_config=config))
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50, 950) for _ in range(length)]
+
+
+def poison_gpu(engine: h.Engine) -> None:
+    for worker in engine.workers:
+        for view in worker.caches.values():
+            view.view(torch.uint8).fill_(POISON)
+
+
+def run_to_completion(engine: h.Engine, requests: dict[str, tuple[list[int], int]]) -> None:
+    for req_id, (prompt, max_tokens) in requests.items():
+        if req_id not in engine.added:
+            engine.add(req_id, prompt, max_tokens)
+    # While a lookup is in flight vLLM skips the request: idle steps take ~0.1 ms each, so a
+    # lookup deadline spans thousands of them.
+    engine.run(max_steps=MAX_STEPS)
+    for req_id, (prompt, max_tokens) in requests.items():
+        assert engine.finished[req_id] == engine.expected_tokens(prompt, max_tokens), req_id
+    engine.assert_no_leaks()
+
+
+def store_stats(url: str) -> dict:
+    with StoreClient(url, Security.none()) as client:
+        return client.stats()
+
+
+def remote_failures(engine: h.Engine) -> int:
+    return sum(w.connector._worker.remote_failures for w in engine.workers)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
+        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int) -> None:
+    first = make_engine(model_dir, store.url, async_scheduling, tp)
+    prompt = make_prompt(1, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 3)})
+    stats = store_stats(store.url)
+    # Write-through: every full block of every rank, once.
+    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp, 4 * tp * block_bytes(tp))
+
+    second = make_engine(model_dir, store.url, async_scheduling, tp)
+    poison_gpu(second)
+    request = second.add("b", prompt, max_tokens=3)
+    second.run(until=lambda: second.scheduler.requests["b"].status
+               == RequestStatus.WAITING_FOR_REMOTE_KVS, max_steps=MAX_STEPS)
+    # The lookup ran while vLLM was told to ask again; the plan says where the hits come from.
+    assert second.connector.get_external_cache_hit_sources(request, 4 * BS) == \
+        {"external_unspecified": 4 * BS}
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [4 * BS]  # resumed after the remote load
+        assert worker.prefix_checks == 4 * BS  # every fetched byte compared
+    stats = store_stats(store.url)
+    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp, 4 * tp * block_bytes(tp))
+    assert remote_failures(second) == 0
+    # The fetched blocks now live in the second engine's CPU tier too: a third request sharing
+    # two blocks is served from the host pool without asking the store for them.
+    assert second.scheduler.reset_prefix_cache()
+    poison_gpu(second)
+    shares_two = prompt[:2 * BS + 3] + make_prompt(2, BS)
+    request = second.add("c", shares_two, max_tokens=2)
+    second.run(until=lambda: second.scheduler.requests["c"].status
+               == RequestStatus.WAITING_FOR_REMOTE_KVS, max_steps=MAX_STEPS)
+    assert second.connector.get_external_cache_hit_sources(request, 2 * BS) == {"host": 2 * BS}
+    run_to_completion(second, {"c": (shares_two, 2)})
+    assert all(w.starts["c"] == [2 * BS] for w in second.workers)
+    assert store_stats(store.url)["get_blocks"] == 4 * tp
+    stats = OffloadStats()
+    for data in second.stats:
+        stats.aggregate(CrossLayerOffloadConnector.build_kv_connector_stats(data))
+    assert (stats.data["hit_tokens"], stats.data["remote_hit_tokens"]) == (6 * BS, 4 * BS)
+    assert stats.data["remote_lookup_failures"] == stats.data["failed_loads"] == 0
+
+
+def test_remote_only_engines_share_through_the_store(model_dir: str,
+                                                     store: StoreProcess) -> None:
+    first = make_engine(model_dir, store.url, remote_only=True, cpu_slots=8)
+    prompt = make_prompt(3, 3 * BS + 2)
+    run_to_completion(first, {"a": (prompt, 2)})
+    assert len(first.connector._scheduler.index) == 0  # the pool only staged the blocks
+    assert first.scheduler.reset_prefix_cache()
+    poison_gpu(first)
+    run_to_completion(first, {"a2": (prompt, 2)})  # its own blocks, back from the store
+    second = make_engine(model_dir, store.url, remote_only=True, cpu_slots=8)
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert first.workers[0].starts["a2"] == [3 * BS]
+    assert second.workers[0].starts["b"] == [3 * BS]
+    assert len(second.connector._scheduler.index) == 0
+    assert store_stats(store.url)["get_blocks"] == 6
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_store_killed_between_lookup_and_load_recomputes(
+        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int) -> None:
+    first = make_engine(model_dir, store.url, async_scheduling, tp)
+    prompt = make_prompt(4, 3 * BS + 5)
+    run_to_completion(first, {"a": (prompt, 2)})
+    second = make_engine(model_dir, store.url, async_scheduling, tp)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    plan_load = core.plan_load
+
+    def plan_then_kill(*args: object, **kwargs: object) -> tuple[int, int]:
+        planned = plan_load(*args, **kwargs)
+        if planned[1]:
+            store.kill()  # the lookup said yes; the get will find no store
+        return planned
+
+    core.plan_load = plan_then_kill
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert store.process.poll() is not None  # it was killed
+    assert all(w.starts["b"] == [0] for w in second.workers)  # recomputed, never read poison
+    assert remote_failures(second) >= tp  # every rank's get failed
+    # The failed fetch left nothing in the CPU tier that was not recomputed and stored again.
+    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
+                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
+    assert all(core.index.contains(k) for k in core.namespace.keys(probe.block_hashes))
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_block_evicted_between_lookup_and_load_keeps_the_head(
+        model_dir: str, store: StoreProcess, async_scheduling: bool) -> None:
+    first = make_engine(model_dir, store.url, async_scheduling)
+    prompt = make_prompt(10, 4 * BS + 3)
+    run_to_completion(first, {"a": (prompt, 2)})
+    second = make_engine(model_dir, store.url, async_scheduling)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    plan_load = core.plan_load
+    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
+                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
+    third = core.namespace.key(probe.block_hashes[2])
+
+    def plan_then_delete(*args: object, **kwargs: object) -> tuple[int, int]:
+        planned = plan_load(*args, **kwargs)
+        if planned[1] and not deleted:  # the fetch is planned: the store drops block 2
+            with StoreClient(store.url, Security.none(), namespace=core.namespace) as client:
+                deleted.extend(client.delete([third]))
+        return planned
+
+    deleted: list[bool] = []
+
+    core.plan_load = plan_then_delete
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert deleted == [True]
+    # Blocks 0-1 came from the store (bytes compared), block 2 was missing: vLLM dropped the
+    # request's load, asked again (blocks 0-1 fetched again) and computed from block 2 on.
+    assert second.workers[0].starts["b"] == [2 * BS]
+    assert second.workers[0].prefix_checks == 2 * BS
+    assert remote_failures(second) == 1
+    stats = store_stats(store.url)
+    assert (stats["get_blocks"], stats["get_missing"]) == (3 + 2, 1)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_store_down_at_lookup_serves_from_the_cpu_tier_without_stalling(
+        model_dir: str, store: StoreProcess, async_scheduling: bool) -> None:
+    engine = make_engine(model_dir, store.url, async_scheduling)
+    prompt = make_prompt(5, 4 * BS)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    store.kill()
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    shares_two = prompt[:2 * BS] + make_prompt(6, 2 * BS)
+    fresh = make_prompt(7, 3 * BS)
+    lookups = engine.connector._remote_lookups
+    lookups.backoff_s = 60.0  # once down, the store stays "down" for the rest of the test
+    started = time.monotonic()
+    run_to_completion(engine, {"b": (shares_two, 2), "c": (fresh, 2)})
+    elapsed = time.monotonic() - started
+    assert engine.workers[0].starts["b"] == [2 * BS]  # the CPU tier's part, then computed
+    assert engine.workers[0].starts["c"] == [0]  # recomputed
+    assert lookups.failures == 2  # b and c asked in the same step; both waited the deadline
+    # One lookup deadline (then the store counts as down), plus puts bounded by their timeout.
+    assert elapsed < LOOKUP_DEADLINE_S + 2 * TIMEOUT_S + 3.0, elapsed
+    # A request arriving while the store is known down is not delayed at all.
+    request = engine.add("d", make_prompt(8, 2 * BS), max_tokens=1)
+    assert engine.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    engine.run(max_steps=MAX_STEPS)
+
+
+def test_shared_secret_store_admits_the_engine_and_a_wrong_secret_recomputes(
+        model_dir: str, tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("correct horse battery staple\n")
+    (tmp_path / "wrong").write_text("correct horse battery stapler\n")
+    args = ("--security", "secret", "--secret-file", str(tmp_path / "secret"))
+    with StoreProcess(tmp_path / "store.log", capacity="16MiB", security_args=args) as store:
+        prompt = make_prompt(9, 2 * BS + 1)
+        first = make_engine(model_dir, store.url, remote_security="secret",
+                            remote_secret_file=str(tmp_path / "secret"))
+        run_to_completion(first, {"a": (prompt, 2)})
+        second = make_engine(model_dir, store.url, remote_security="secret",
+                             remote_secret_file=str(tmp_path / "secret"))
+        poison_gpu(second)
+        run_to_completion(second, {"b": (prompt, 2)})
+        assert second.workers[0].starts["b"] == [2 * BS]
+        # A wrong secret is refused: nothing found, nothing stored, the request recomputed.
+        intruder = make_engine(model_dir, store.url, remote_security="secret",
+                               remote_secret_file=str(tmp_path / "wrong"))
+        run_to_completion(intruder, {"c": (prompt, 2)})
+        assert intruder.workers[0].starts["c"] == [0]
+        assert intruder.connector._remote_lookups.failures == 1
+        assert remote_failures(intruder) == 1  # its write-through put was refused
+        with StoreClient(store.url, Security.shared_secret(tmp_path / "secret")) as client:
+            stats = client.stats()
+        assert (stats["blocks"], stats["get_blocks"]) == (2, 2)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"remote_only": True}, "without remote_url"),
+    ({"remote_url": "tcp://127.0.0.1:1", "remote_security": "secret"},
+     "needs remote_secret_file"),
+    ({"remote_url": "tcp://127.0.0.1:1", "remote_security": "curve"}, "remote_curve_key_pair"),
+    ({"remote_url": "tcp://127.0.0.1:1", "remote_security": "plain"}, "must be one of"),
+    ({"remote_url": "tcp://127.0.0.1:1", "remote_lookup_deadline_s": 0}, "positive number"),
+    ({"remote_url": "tcp://10.1.2.3:7000"}, "allowed only on loopback"),
+    ({"remote_url": "http://127.0.0.1:1"}, "expected an address tcp://"),
+])
+def test_remote_options_refuse_bad_values(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorOptions.parse({"cpu_bytes": 1, **extra})
