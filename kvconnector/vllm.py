@@ -229,7 +229,10 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         spec = _offloaded_spec(kv_cache_config)
         self._block_size = spec.block_size
         num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-        slot_bytes = round_up(spec.page_size_bytes * num_layers, HOST_ALIGNMENT)
+        # The scheduler counts slots for every worker but sees stage 0's layers only; under PP
+        # stages differ (62 layers / 4 -> 15, 16, 16, 15), so size slots by the largest stage.
+        slot_layers = max(num_layers, _largest_pp_stage(vllm_config))
+        slot_bytes = round_up(spec.page_size_bytes * slot_layers, HOST_ALIGNMENT)
         self._num_slots = self.options.cpu_bytes // slot_bytes
         if self._num_slots == 0:
             raise ValueError(f"cpu_bytes {self.options.cpu_bytes} holds no block of "
@@ -464,13 +467,33 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
+def _largest_pp_stage(vllm_config: VllmConfig) -> int:
+    """Layers of the largest pipeline stage (0 without PP)."""
+    pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    if pp_size == 1:
+        return 0
+    from vllm.distributed.utils import get_pp_indices
+
+    total = vllm_config.model_config.get_total_num_hidden_layers()
+    return max(end - start for start, end in
+               (get_pp_indices(total, rank, pp_size) for rank in range(pp_size)))
+
+
+def slot_order(layout: str) -> str:
+    """Byte order inside a pool slot for a cache in `layout`: a block-major chunk is copied
+    whole (BHLNC -> HLNC); the per-layer fallback puts each layer's page in layer order
+    (LBNHC -> LNHC, LHBNC -> LHNC), so equal orders mean equal bytes."""
+    if layout.startswith("B"):
+        return layout[1:]
+    return "L" + "".join(axis for axis in layout if axis not in "LB")
+
+
 def _namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layers: int,
                tp_size: int) -> Namespace:
-    """What a slot's bytes mean: one block of every layer of one rank, pages in the resolved
-    layout's interior order (the per-layer fallback keeps it too)."""
+    """What a slot's bytes mean: one block of every layer of one rank, in `slot_order`."""
     layout = vllm_config.cache_config.kv_cache_layout or "LBNHC"
-    interior = "".join(axis for axis in layout if axis not in "LB")
-    block_layout = (f"{type(spec).__name__} {interior} L={num_layers} H={spec.num_kv_heads} "
+    block_layout = (f"{type(spec).__name__} {slot_order(layout)} L={num_layers} "
+                    f"H={spec.num_kv_heads} "
                     f"D={spec.head_size} page={spec.page_size_bytes}")
     return Namespace(model=vllm_config.model_config.model,
                      dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,

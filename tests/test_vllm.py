@@ -41,7 +41,9 @@ from kvconnector.vllm import (  # noqa: E402
     ConnectorOptions,
     CrossLayerOffloadConnector,
     OffloadStats,
+    _largest_pp_stage,
     required_layout,
+    slot_order,
 )
 
 pytestmark = pytest.mark.vllm
@@ -359,6 +361,28 @@ def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: tuple) 
 
 
 # -- options, layout choice, stats, lifecycle --------------------------------------------------
+def test_slot_order_names_equal_bytes_equally() -> None:
+    # A slot holds one block of every layer: the block-major chunk, or the per-layer pages in
+    # layer order. Layouts that give the same slot bytes share a namespace; BHLNC does not.
+    assert {slot_order(x) for x in ("BLNHC", "LBNHC")} == {"LNHC"}
+    assert {slot_order(x) for x in ("BLHNC", "LBHNC", "LHBNC")} == {"LHNC"}
+    assert slot_order("BHLNC") == "HLNC"
+
+
+def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
+    from types import SimpleNamespace
+
+    def config(layers: int, pp: int) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+                               model_config=SimpleNamespace(
+                                   get_total_num_hidden_layers=lambda: layers))
+
+    # vLLM splits 62 layers over 4 stages as 15/16/16/15: every stage sizes slots for 16.
+    assert _largest_pp_stage(config(62, 4)) == 16
+    assert _largest_pp_stage(config(81, 4)) == 21
+    assert _largest_pp_stage(config(32, 1)) == 0
+
+
 def test_required_layout_choices() -> None:
     auto = ConnectorOptions(cpu_bytes=1)
     # No backend configured on CUDA: every backend vLLM may pick must accept the layout.
