@@ -3,8 +3,10 @@ PY ?= python3
 
 .PHONY: setup setup-test test bench lint
 
+# A machine that already has torch (a GPU box with its CUDA build) keeps it; others get the CPU
+# wheel. Offline GPU boxes: see the README's install section.
 setup:
-	$(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q 'torch>=2.11'
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[bench]'
 
 # vLLM 0.32.0 keeps the CPU torch 2.13.0; its torchvision/torchaudio/torchcodec are CUDA builds
