@@ -45,8 +45,9 @@ from kvconnector.bench.runner import (
     case_segments,
     check_round_trip,
 )
-from kvconnector.bench.sizing import BenchError, disjoint_id_sets, format_bytes, parse_size
+from kvconnector.bench.sizing import BenchError, disjoint_id_sets, format_bytes
 from kvconnector.layout import KVForm, KVLayout
+from kvconnector.units import parse_size
 from transfer.pool import HostPool
 
 GEMM_N = 8192  # 1.1 TFLOP per GEMM: about 1.6 ms on an H200

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvconnector.bench.presets import PRESETS, build_cases
-from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets, parse_size
+from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets
 from kvconnector.cli import main
+from kvconnector.units import parse_size
 
 # One small preset, few blocks, one repeat: seconds, not minutes.
 TINY = ["bench", "--preset", "llama-3.1-70b-tp8", "--blocks", "8", "--budget", "64M",

@@ -18,8 +18,8 @@ from kvconnector.bench.sizing import (
     cgroup_memory_left,
     format_bytes,
     jobs_blocks,
-    parse_size,
 )
+from kvconnector.units import parse_size
 
 DEFAULT_BLOCKS = 1024
 DEFAULT_BUDGET = {"cuda": "24G", "cpu": "512M"}  # both sides; CPU: the process stays < 1 GiB

@@ -9,27 +9,14 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from pathlib import Path
 
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
 _CGROUP = Path("/sys/fs/cgroup")
 _NO_LIMIT = 1 << 62  # v1 reports "no limit" as a page-rounded 2**63 - 1
 
 
 class BenchError(Exception):
     """A problem with the request (flags, sizes, memory): one line for the user, exit code 2."""
-
-
-def parse_size(text: str) -> int:
-    """'512M', '1.5G', '4096' -> bytes (binary units); ValueError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G)")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
 
 
 def format_bytes(n: float) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import signal
 import sys
 from pathlib import Path
@@ -18,32 +17,18 @@ from typing import Any
 
 import zmq
 
+from kvconnector.units import parse_size
 from transfer.remote.client import StoreClient, StoreError
 from transfer.remote.protocol import Limits
 from transfer.remote.security import Security, SecurityMode
 from transfer.remote.server import StoreServer
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 _SECURITY_OPTIONS = {  # option -> (the mode it belongs to, server side, client side)
     "secret_file": (SecurityMode.SECRET, True, True),
     "curve_key_pair": (SecurityMode.CURVE, True, True),
     "curve_clients": (SecurityMode.CURVE, True, False),
     "curve_server_key": (SecurityMode.CURVE, False, True),
 }
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as 8GiB, 512MiB, 2MB or 4096; ValueError naming anything else."""
-    match = _SIZE.fullmatch(text)
-    unit = match and _UNITS.get(match.group(2).lower())
-    if not unit:
-        raise ValueError(f"not a size: {text!r} (expected e.g. 8GiB, 512MiB, 2MB or 4096)")
-    size = int(float(match.group(1)) * unit)
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return size
 
 
 def add_parser(subparsers: Any) -> None:
