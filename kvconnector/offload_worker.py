@@ -123,17 +123,19 @@ class OffloadWorker:
                 fetch_slots = job.slots[len(job.slots) - len(job.keys):]
                 self._fetching[job.job_id] = (job, self.remote.get(job.keys, fetch_slots))
             else:
-                self._loads[job.job_id] = (job.req_id, job.block_ids)
+                # Submit first: bad input raises before anything is registered here.
                 self.engine.submit_load(job.job_id, job.slots, job.block_ids)
+                self._loads[job.job_id] = (job.req_id, job.block_ids)
 
     def submit_stores(self, step: StepJobs) -> None:
         """After the forward: each store copies after the work queued on the compute stream.
         A store the engine drops under pressure is reported failed, like a failed copy."""
         for job in step.stores:
+            # A dropped store (False) still reaches get_finished, as failed: register it too.
+            self.engine.submit_store(job.job_id, job.block_ids, job.slots)
             self._stores[job.job_id] = job.req_id
             if job.keys and self.remote is not None:
                 self._put_keys[job.job_id] = (job.keys, job.slots)
-            self.engine.submit_store(job.job_id, job.block_ids, job.slots)
         self._held.update(step.held)
 
     def poll(self) -> TransferEvents:
