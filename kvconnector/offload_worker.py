@@ -29,7 +29,7 @@ from kvconnector.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy_backends import CopyBackend
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.pool import HostPool
-from transfer.remote.client import TransferResult as StoreResult
+from transfer.remote.backend import TransferResult as StoreResult
 
 BLOCK_MAJOR = "block-major"
 PER_LAYER = "per-layer"

@@ -1,4 +1,5 @@
-"""The remote block store (transfer.remote) as the connector's second tier. No vLLM imports.
+"""A remote tier (transfer.remote: our block store, or a Redis Cluster) as the connector's second
+tier. No vLLM imports.
 
 Scheduler side, `RemoteLookups`: asks the store, asynchronously and with a deadline, how many of
 the keys the CPU tier lacks it holds. While the answer is in flight the adapter tells vLLM "ask
@@ -7,7 +8,8 @@ blocks, so a request is served from the CPU tier or recomputed, never held up.
 
 Worker side, `RemoteFetcher`: gets remote hits into the pool slots the scheduler reserved (then
 the usual pool -> GPU load runs), and puts stored blocks to the store once their GPU -> pool copy
-is done (write-through). Both run on an AsyncStoreClient thread; every non-OK block fails its job.
+is done (write-through). Both run on AsyncRemoteClient threads; every non-OK block fails its
+job.
 
 Keys: the scheduler's block index uses the namespace of TP rank 0; rank r puts and gets under
 its own rank's namespace (same hash, rank r's digest), since its bytes differ. Lookups ask for
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from transfer.keys import DIGEST_BYTES
-from transfer.remote.async_client import AsyncStoreClient
-from transfer.remote.client import TransferResult
+from transfer.remote.async_client import AsyncRemoteClient
+from transfer.remote.backend import REDIS_SCHEMES, TransferResult
+from transfer.remote.redis_values import RedisAuth, RedisURL
 from transfer.remote.security import Security, require_loopback, tcp_host
 
 SECURITY_CHOICES = ("none", "secret", "curve")
@@ -36,10 +39,28 @@ class RemoteSettings:
     """The remote part of `kv_connector_extra_config` (see ConnectorOptions)."""
 
     url: str
-    security: Security
+    credentials: Security | RedisAuth  # Security for tcp://, RedisAuth for redis(s)://
     lookup_deadline_s: float
     timeout_s: float
     only: bool
+
+
+def is_redis_url(url: str) -> bool:
+    return url.partition("://")[0] in REDIS_SCHEMES
+
+
+def make_redis_auth(url: str, user: str | None, password_file: str | None,
+                    ca_file: str | None) -> RedisAuth:
+    """RedisAuth for a redis(s):// URL; without a password (file or environment) the URL must
+    be loopback. ValueError names the bad value."""
+    parsed = RedisURL.parse(url)
+    if ca_file is not None and not parsed.tls:
+        raise ValueError(f"remote_redis_ca_file is for rediss:// (TLS) URLs, got {url!r}")
+    auth = RedisAuth.from_sources(user, password_file, ca_file)
+    if auth.password is None and not parsed.loopback:
+        raise ValueError(f"Redis without a password is allowed only on loopback; give "
+                         f"remote_redis_password_file for {url!r}")
+    return auth
 
 
 def make_security(url: str, mode: str, secret_file: str | None, curve_key_pair: str | None,
@@ -79,7 +100,7 @@ class RemoteLookups:
                  backoff_s: float | None = None) -> None:
         self.deadline_s = settings.lookup_deadline_s
         self.backoff_s = 10 * self.deadline_s if backoff_s is None else backoff_s
-        self._client = AsyncStoreClient(settings.url, settings.security,
+        self._client = AsyncRemoteClient(settings.url, settings.credentials,
                                         namespace=namespace_digest,
                                         timeout_s=settings.lookup_deadline_s)
         self._pending: dict[str, _Lookup] = {}
@@ -140,7 +161,7 @@ class RemoteFetcher:
         self._digest = namespace_digest
         # Two connections: calls on one run in order, and a load must not wait behind puts.
         self._getter, self._putter = (
-            AsyncStoreClient(settings.url, settings.security, namespace=namespace_digest,
+            AsyncRemoteClient(settings.url, settings.credentials, namespace=namespace_digest,
                              pool=pool, timeout_s=settings.timeout_s) for _ in range(2))
 
     def rekey(self, keys: Sequence[bytes]) -> list[bytes]:

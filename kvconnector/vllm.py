@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,13 +43,13 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvconnector.layout import BLOCK_MAJOR_ORDERS, HOST_ALIGNMENT, round_up
+from kvconnector.layout import HOST_ALIGNMENT, round_up
 from kvconnector.offload_scheduler import JobReport, OffloadCounters, OffloadScheduler, StepJobs
 from kvconnector.offload_worker import OffloadWorker
+from kvconnector.options import ConnectorOptions
 from kvconnector.registry import decide
-from kvconnector.remote_tier import RemoteFetcher, RemoteLookups, RemoteSettings, make_security
-from transfer.copy_backends import BACKENDS, CopyBackend, make_backend
-from transfer.engine import DEFAULT_MAX_STORE_BYTES
+from kvconnector.remote_tier import RemoteFetcher, RemoteLookups
+from transfer.copy_backends import CopyBackend, make_backend
 from transfer.keys import Namespace
 
 if TYPE_CHECKING:
@@ -63,86 +63,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
-
-LAYOUT_CHOICES = ("auto", "engine", *BLOCK_MAJOR_ORDERS)
-EVICTION_CHOICES = ("lru", "arc")
-
-
-@dataclass(frozen=True)
-class ConnectorOptions:
-    """`kv_connector_extra_config`, checked. Unknown keys are refused (a typo would be silent).
-
-    cpu_bytes: host pool bytes per worker (per GPU), required; slots = cpu_bytes // block bytes.
-    eviction: "lru" or "arc". layout: "auto" (a block-outermost layout the attention backend
-    accepts), a block-outermost name, or "engine" (keep vLLM's default: the per-layer path).
-    copy_backend: "auto" (batched DMA on CUDA), "dma", "sm" or "thread".
-    max_store_bytes: bytes of stores in flight per worker; past it new stores are skipped.
-    remote_url: a `kvconnector store serve` URL: the store becomes the second tier (lookups
-    past the CPU tier's hits, write-through of every stored block); remote_security: "none"
-    (loopback only), "secret" (remote_secret_file) or "curve" (remote_curve_key_pair,
-    remote_curve_server_key); remote_lookup_deadline_s: how long a lookup may keep a request
-    waiting; remote_timeout_s: bound of each get and put; remote_only: the host pool only
-    stages blocks on their way to and from the store (cpu_bytes sizes it).
-    """
-
-    cpu_bytes: int
-    eviction: str = "lru"
-    layout: str = "auto"
-    copy_backend: str = "auto"
-    max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
-    remote_url: str | None = None
-    remote_security: str = "none"
-    remote_secret_file: str | None = None
-    remote_curve_key_pair: str | None = None
-    remote_curve_server_key: str | None = None
-    remote_lookup_deadline_s: float = 0.2
-    remote_timeout_s: float = 5.0
-    remote_only: bool = False
-
-    @classmethod
-    def parse(cls, extra: dict[str, Any]) -> ConnectorOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        if "cpu_bytes" not in extra:
-            raise ValueError("kv_connector_extra_config needs 'cpu_bytes': host pool bytes per "
-                             "worker, e.g. 68719476736 for 64 GiB")
-        options = cls(**extra)
-        for name in ("cpu_bytes", "max_store_bytes"):
-            value = getattr(options, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer of bytes, got {value!r}")
-        for name, choices in (("eviction", EVICTION_CHOICES), ("layout", LAYOUT_CHOICES),
-                              ("copy_backend", BACKENDS)):
-            if getattr(options, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got "
-                                 f"{getattr(options, name)!r}")
-        for name in ("remote_lookup_deadline_s", "remote_timeout_s"):
-            value = getattr(options, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if options.remote_url is None:
-            remote_keys = sorted(k for k in extra if k.startswith("remote_"))
-            if remote_keys:
-                raise ValueError(f"{remote_keys} given without remote_url")
-        else:
-            options.remote()  # checks the security keys
-        return options
-
-    def remote(self) -> RemoteSettings | None:
-        """The remote tier's settings, or None without remote_url."""
-        if self.remote_url is None:
-            return None
-        if not isinstance(self.remote_url, str) or not isinstance(self.remote_only, bool):
-            raise ValueError(f"remote_url must be a URL string and remote_only a bool, got "
-                             f"{self.remote_url!r}, {self.remote_only!r}")
-        security = make_security(self.remote_url, self.remote_security, self.remote_secret_file,
-                                 self.remote_curve_key_pair, self.remote_curve_server_key)
-        return RemoteSettings(self.remote_url, security, float(self.remote_lookup_deadline_s),
-                              float(self.remote_timeout_s), self.remote_only)
-
 
 # Backends vLLM may pick by itself on CUDA when none is configured (all opted in, by evidence).
 CUDA_AUTO_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "FLASH_ATTN_MLA",

@@ -1,16 +1,23 @@
-"""Shared pytest wiring: the `gpu` and `vllm` markers.
+"""Shared pytest wiring: the `gpu`, `vllm` and `redis` markers, and the Redis Cluster fixtures.
 
 `gpu` tests skip cleanly without CUDA. `vllm` tests skip where vLLM is not importable, except
 when KVCONNECTOR_REQUIRE_VLLM=1 (set by .ci/run): then a missing vLLM is an error, so CI can never
-pass by silently skipping the integration tests.
+pass by silently skipping the integration tests. `redis` tests do the same for Debian's
+redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from transfer.remote.redis_local import LocalRedisCluster
 
 
 def _cuda_available() -> bool:
@@ -26,15 +33,28 @@ def _vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _redis_missing() -> str | None:
+    """Why the `redis` tests cannot run here, or None when they can."""
+    if shutil.which("redis-server") is None:
+        return "redis-server is not on PATH (apt-get install redis-server redis-tools)"
+    if importlib.util.find_spec("redis") is None:
+        return "redis-py is not installed (pip install 'kvconnector[redis]')"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_cuda = _cuda_available()
     has_vllm = _vllm_available()
+    redis_missing = _redis_missing()
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if item.get_closest_marker("vllm") and not has_vllm:
             # With KVCONNECTOR_REQUIRE_VLLM=1 pytest_sessionstart has already failed the run.
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
+        if item.get_closest_marker("redis") and redis_missing:
+            # With KVCONNECTOR_REQUIRE_REDIS=1 pytest_sessionstart has already failed the run.
+            item.add_marker(pytest.mark.skip(reason=redis_missing))
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -42,3 +62,32 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         raise pytest.UsageError(
             "KVCONNECTOR_REQUIRE_VLLM=1 but vLLM is not importable: install vllm==0.32.0"
         )
+    if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1" and (missing := _redis_missing()):
+        raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_REDIS=1 but {missing}")
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A 3-master cluster shared by a module's tests: read-mostly, never kill its nodes."""
+    from transfer.remote.redis_local import LocalRedisCluster
+
+    with LocalRedisCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster_factory() -> Iterator[Callable[..., LocalRedisCluster]]:
+    """make(**kwargs) -> a fresh LocalRedisCluster (maxmemory=, tls=, ...), stopped after the
+    test (for tests that kill nodes or need their own settings)."""
+    from transfer.remote.redis_local import LocalRedisCluster
+
+    clusters: list[LocalRedisCluster] = []
+
+    def make(**kwargs: Any) -> LocalRedisCluster:
+        cluster = LocalRedisCluster(**kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()

@@ -12,7 +12,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TIMEOUT_S = 120
 
 
-@pytest.mark.parametrize("script", ["offload_reload.py", "remote_shared_store.py"])
+@pytest.mark.parametrize("script", ["offload_reload.py", "remote_shared_store.py",
+                                    pytest.param("redis_shared_cluster.py",
+                                                 marks=pytest.mark.redis)])
 def test_example_runs(script: str, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=TIMEOUT_S)

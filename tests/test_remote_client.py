@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from transfer.keys import Namespace
-from transfer.remote.async_client import AsyncStoreClient
+from transfer.remote.async_client import AsyncRemoteClient
 from transfer.remote.client import StoreClient, StoreError
 from transfer.remote.connection import Connection, Exchange
 from transfer.remote.protocol import (
@@ -258,7 +258,7 @@ def test_async_lookup_and_deadlines(fake: Callable[..., FakeStore]) -> None:
 
     store = fake(respond)
     pool = torch.zeros((4, BLOCK), dtype=torch.uint8)
-    with AsyncStoreClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=1.0) as client:
+    with AsyncRemoteClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=1.0) as client:
         assert client.lookup(KEYS, deadline_s=5.0).result(timeout=10) == 3
         with pytest.raises(ValueError, match="not in this client's namespace"):
             client.lookup([Namespace("other", "bfloat16", 16, "x").key(1)])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from transfer.keys import Namespace
-from transfer.remote.async_client import AsyncStoreClient
+from transfer.remote.async_client import AsyncRemoteClient
 from transfer.remote.client import StoreClient
 from transfer.remote.protocol import BlockStatus
 from transfer.remote.security import Security
@@ -58,7 +58,7 @@ def _split(statuses: tuple[BlockStatus, ...]) -> tuple[int, int]:
 
 
 def test_sigkill_mid_put(store: StoreProcess, source: torch.Tensor) -> None:
-    with AsyncStoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
+    with AsyncRemoteClient(store.url, NONE, pool=source, **OPTIONS) as writer:
         pending = writer.put(KEYS, range(COUNT))
         _kill_after(store, "put_blocks")
         result = pending.result(timeout=60)
@@ -82,7 +82,7 @@ def test_sigkill_mid_get(store: StoreProcess, source: torch.Tensor) -> None:
         assert writer.put(KEYS, range(COUNT)).all_ok
     target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
     slots = list(reversed(range(COUNT)))
-    with AsyncStoreClient(store.url, NONE, pool=target, **OPTIONS) as reader:
+    with AsyncRemoteClient(store.url, NONE, pool=target, **OPTIONS) as reader:
         pending = reader.get(KEYS, slots)
         _kill_after(store, "get_blocks")
         result = pending.result(timeout=60)

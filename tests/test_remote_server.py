@@ -13,11 +13,13 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+import zmq
 
 from kvconnector.allocator import allocate
 from kvconnector.layout import KVLayout
 from transfer.keys import Namespace
 from transfer.remote import cli
+from transfer.remote import server as server_module
 from transfer.remote.client import StoreClient, StoreError
 from transfer.remote.protocol import (
     BlockStatus,
@@ -28,7 +30,7 @@ from transfer.remote.protocol import (
     reply_statuses,
 )
 from transfer.remote.security import Security
-from transfer.remote.server import StoreServer
+from transfer.remote.server import VERIFY_TASK_BYTES, StoreServer
 from transfer.remote.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10  # at pyzmq's copy threshold: frames go zero-copy
@@ -286,3 +288,91 @@ def test_unanswered_request_ids_and_stats_ops(store: StoreProcess) -> None:
         assert decode_reply(raw[0]).code == "frames"
     finally:
         peer.close()
+
+
+def _large_put(count: int, seed: int) -> tuple[list[bytes], list[bytes], list[int]]:
+    """`count` blocks of half a verifier task each, so a put of 2+ goes to the verifier."""
+    size = VERIFY_TASK_BYTES // 2
+    keys = NS_A.keys([b"large-%d-%d" % (seed, i) for i in range(count)])
+    blocks = [_pool(1, seed=seed + i, block=size)[0].numpy().tobytes() for i in range(count)]
+    return keys, blocks, [block_checksum(b, k) for b, k in zip(blocks, keys, strict=True)]
+
+
+@pytest.mark.parametrize("verify_threads", [0, 2])
+def test_a_corrupt_block_of_a_large_put_is_caught_inline_or_threaded(verify_threads: int) -> None:
+    keys, blocks, sums = _large_put(4, seed=20)
+    corrupt = bytearray(blocks[2])
+    corrupt[len(corrupt) // 3] ^= 0x10  # after the writer's checksum
+    with StoreServer("tcp://127.0.0.1:*", 64 << 20, NONE, verify_threads=verify_threads) as srv:
+        peer = RawPeer(srv.endpoint)
+        try:
+            header = encode_request(1, Op.PUT, NS_A.digest, keys, [len(b) for b in blocks], sums)
+            reply = decode_reply(peer.request([header, *blocks[:2], bytes(corrupt), blocks[3]])[0])
+            assert reply_statuses(reply, 4) == [BlockStatus.OK, BlockStatus.OK,
+                                                BlockStatus.CORRUPT, BlockStatus.OK]
+            with StoreClient(srv.endpoint, NONE, namespace=NS_A) as client:
+                assert client.exists(keys) == [True, True, False, True]
+        finally:
+            peer.close()
+        stats = srv.stats()
+        assert (stats["put_blocks"], stats["put_corrupt"], stats["blocks"]) == (3, 1, 3)
+
+
+def test_threaded_checks_answer_puts_in_arrival_order() -> None:
+    keys, blocks, sums = _large_put(8, seed=30)
+    size = len(blocks[0])
+    with StoreServer("tcp://127.0.0.1:*", 64 << 20, NONE, verify_threads=2) as srv:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = 10_000
+        sock.connect(srv.endpoint)
+        try:  # a large (threaded) put, then a small (inline) one, then a large one
+            sock.send_multipart([encode_request(1, Op.PUT, NS_A.digest, keys[:7], [size] * 7,
+                                                sums[:7]), *blocks[:7]])
+            small = b"x" * 100
+            small_key = NS_A.key(b"small")
+            sock.send_multipart([encode_request(2, Op.PUT, NS_A.digest, [small_key], [100],
+                                                [block_checksum(small, small_key)]), small])
+            sock.send_multipart([encode_request(3, Op.PUT, NS_A.digest, keys[6:], [size] * 2,
+                                                sums[6:]), *blocks[6:]])
+            replies = [decode_reply(sock.recv_multipart()[0]) for _ in range(3)]
+        finally:
+            sock.close()
+        assert [r.request_id for r in replies] == [1, 2, 3]
+        assert [len(reply_statuses(r, n)) for r, n in zip(replies, (7, 1, 2), strict=True)] \
+            == [7, 1, 2]
+        assert all(s is BlockStatus.OK for r, n in zip(replies, (7, 1, 2), strict=True)
+                   for s in reply_statuses(r, n))
+        stats = srv.stats()
+        assert (stats["put_blocks"], stats["put_existing"], stats["blocks"]) == (9, 1, 9)
+        pool = torch.zeros((8, size), dtype=torch.uint8)
+        with StoreClient(srv.endpoint, NONE, namespace=NS_A, pool=pool) as client:
+            assert client.get(keys, range(8)).all_ok
+        assert [pool[i].numpy().tobytes() for i in range(8)] == blocks
+
+
+def test_a_failing_verifier_costs_one_put(monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, blocks, sums = _large_put(2, seed=40)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("verifier bug")
+
+    with StoreServer("tcp://127.0.0.1:*", 64 << 20, NONE, verify_threads=2) as srv:
+        peer = RawPeer(srv.endpoint)
+        try:
+            header = encode_request(9, Op.PUT, NS_A.digest, keys, [len(b) for b in blocks], sums)
+            with monkeypatch.context() as patch:
+                patch.setattr(server_module, "_check", broken)
+                reply = decode_reply(peer.request([header, *blocks])[0])
+            assert (reply.request_id, reply.ok, reply.code) == (9, False, "internal")
+            reply = decode_reply(peer.request([header, *blocks])[0])  # the store carries on
+            assert reply_statuses(reply, 2) == [BlockStatus.OK, BlockStatus.OK]
+        finally:
+            peer.close()
+        assert srv.stats()["internal_errors"] == 1
+
+
+@pytest.mark.parametrize("threads", [-1, 1.5, True])
+def test_verify_threads_must_be_a_count(threads: object) -> None:
+    with pytest.raises(ValueError, match="verify_threads"):
+        StoreServer("tcp://127.0.0.1:*", 1 << 20, NONE, verify_threads=threads)

@@ -32,7 +32,8 @@ def add_parser(subparsers: Any) -> None:
         "bench", help="measure block offload throughput (block-major vs vLLM's layer-major)",
         description="Measure GPU <-> pinned CPU pool block copies (host <-> host without a GPU) "
                     "for block-major caches beside vLLM's layer-major batched copies, against "
-                    "same-run ceilings; then the remote tier on loopback.")
+                    "same-run ceilings; then the remote tier on loopback (and a Redis Cluster, "
+                    "given --redis-url).")
     p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("--preset", default="all",
                    help=f"comma list of {', '.join(PRESETS)}, or 'all' (default)")
@@ -57,6 +58,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the full record as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG: GB/s vs block size")
+    redis = p.add_argument_group("Redis tier (measured only with --redis-url)")
+    redis.add_argument("--redis-url", metavar="URL",
+                       help="redis://[USER@]HOST:PORT[,...] (rediss:// for TLS): also put and get "
+                            "the cases' blocks to this Redis Cluster, against redis-benchmark")
+    redis.add_argument("--redis-user", metavar="USER", help="ACL user (if not in the URL)")
+    redis.add_argument("--redis-password-file", type=Path, metavar="FILE",
+                       help="the user's password (else $KVCONNECTOR_REDIS_PASSWORD)")
+    redis.add_argument("--redis-ca-file", type=Path, metavar="FILE",
+                       help="CA of the nodes' certificates (rediss://)")
     p.set_defaults(func=run)
 
 
@@ -105,6 +115,23 @@ def _cases(args: argparse.Namespace) -> list[Any]:
         raise BenchError(str(exc)) from None
 
 
+def _redis_auth(args: argparse.Namespace) -> Any:
+    """The Redis tier's credentials, or None without --redis-url (checked before the run)."""
+    if args.redis_url is None:
+        if args.redis_user or args.redis_password_file or args.redis_ca_file:
+            raise BenchError("--redis-user, --redis-password-file and --redis-ca-file need "
+                             "--redis-url")
+        return None
+    try:
+        from transfer.remote.redis_values import RedisAuth, RedisURL
+
+        RedisURL.parse(args.redis_url)
+        return RedisAuth.from_sources(args.redis_user, args.redis_password_file,
+                                      args.redis_ca_file)
+    except (ImportError, ValueError) as exc:
+        raise BenchError(f"--redis-url: {exc}") from None
+
+
 def _budget(args: argparse.Namespace, device: torch.device) -> int:
     try:
         budget = parse_size(args.budget or DEFAULT_BUDGET[device.type])
@@ -143,7 +170,10 @@ def _command(args: argparse.Namespace, budget: str) -> str:
         parts += ["--block-size", ",".join(map(str, args.block_size))]
     for flag, value in (("--blocks", args.blocks), ("--budget", budget),
                         ("--prefix-tokens", args.prefix_tokens), ("--repeats", args.repeats),
-                        ("--json", args.json), ("--plot", args.plot)):
+                        ("--json", args.json), ("--plot", args.plot),
+                        ("--redis-url", args.redis_url), ("--redis-user", args.redis_user),
+                        ("--redis-password-file", args.redis_password_file),
+                        ("--redis-ca-file", args.redis_ca_file)):
         if value is not None:
             parts += [flag, str(value)]
     return " ".join(parts)
@@ -155,6 +185,7 @@ def _run(args: argparse.Namespace) -> int:
 
     # The measuring modules pull in the transfer engine; `kvconnector --help` should not.
     from kvconnector.bench import ceilings as ceilings_mod
+    from kvconnector.bench.redis_tier import measure_redis, redis_steps
     from kvconnector.bench.remote import measure_remote, remote_steps
     from kvconnector.bench.runner import (
         LAYOUTS,
@@ -165,6 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     cases = _cases(args)
+    redis_auth = _redis_auth(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     budget = _budget(args, device)
     for path in (args.json, args.plot):
@@ -198,6 +230,8 @@ def _run(args: argparse.Namespace) -> int:
             plan.append((case, blocks, tokens))
 
         total = 1 + len(cases) * len(LAYOUTS) * STEPS_PER_LAYOUT + remote_steps(len(cases))
+        if redis_auth is not None:
+            total += redis_steps(len(cases))
         with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=err, transient=True) as progress:
             task = progress.add_task("ceilings", total=total)
@@ -212,6 +246,8 @@ def _run(args: argparse.Namespace) -> int:
                 results.append(run_case(case, arenas, ceilings, blocks, tokens,
                                         args.repeats, SEED, step).as_dict())
             remote = measure_remote(plan, arenas.host, budget, args.repeats, step)
+            redis = None if redis_auth is None else measure_redis(
+                plan, arenas.host, budget, args.repeats, step, args.redis_url, redis_auth)
             progress.update(task, completed=total)
         mover_name = results[0]["mover"] if results else ""
         record = {
@@ -233,6 +269,8 @@ def _run(args: argparse.Namespace) -> int:
             "cases": results,
             "remote": remote,
         }
+        if redis is not None:
+            record["redis"] = redis
     finally:
         arenas.close()
 

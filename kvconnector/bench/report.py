@@ -21,7 +21,8 @@ def _gb(rate: dict[str, Any]) -> str:
 
 
 def print_report(record: dict[str, Any], console: Any) -> None:
-    """Ceilings line, one row per case and layout, then the remote tier."""
+    """Ceilings line, one row per case and layout, then the remote tier, then the Redis tier
+    (only when the run was given --redis-url)."""
     from rich.table import Table
 
     c = record["ceilings"]
@@ -48,7 +49,13 @@ def print_report(record: dict[str, Any], console: Any) -> None:
                 str(r["prefix_tokens"]), f"{r['prefix_ms']:.1f} ({r['prefix_ratio']:.2f})",
                 end_section=i == len(case["layouts"]) - 1)
     console.print(table)
-    remote = record.get("remote")
+    _print_remote(record.get("remote"), console)
+    _print_redis(record.get("redis"), console)
+
+
+def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:
+    from rich.table import Table
+
     if remote is None:
         return
     if remote.get("skipped"):
@@ -71,6 +78,41 @@ def print_report(record: dict[str, Any], console: Any) -> None:
         if "error" in row:
             console.print(f"[red]remote {row['case']} {row['security']} failed:[/] {row['error']}",
                           highlight=False)
+
+
+def _print_redis(redis: dict[str, Any] | None, console: Any) -> None:
+    """The Redis Cluster rows (present only when the run was given --redis-url)."""
+    from rich.table import Table
+
+    if redis is None:
+        return
+    if redis.get("skipped"):
+        console.print(f"redis tier: skipped ({redis['skipped']})")
+        return
+    rt = Table(title=f"redis tier: Redis Cluster {redis['url']}, one client, put/get of pool "
+                     "blocks",
+               caption="GB/s (ratio of redis-benchmark SET/GET of values of the same size on "
+                       "the same cluster, same run, one connection per master)")
+    for col in ("case", "block", "blocks", "put", "get", "SET", "GET"):
+        rt.add_column(col, justify="left" if col == "case" else "right")
+    notes = []
+    for row in redis["rows"]:
+        head = [row["case"], format_bytes(row["block_bytes"]), str(row["blocks"])]
+        if "error" in row:
+            rt.add_row(*head, "[red]failed[/]", "[red]failed[/]", "", "")
+            notes.append(f"[red]redis {row['case']} failed:[/] {row['error']}")
+            continue
+        if "baseline_put_gbps" not in row:
+            rt.add_row(*head, f"{row['put']['gbps']:.2f}", f"{row['get']['gbps']:.2f}",
+                       "n/a", "n/a")
+            notes.append(f"redis {row['case']}: baseline unavailable "
+                         f"({row.get('baseline_unavailable', 'no redis-benchmark run')})")
+            continue
+        rt.add_row(*head, _gb(row["put"]), _gb(row["get"]), f"{row['baseline_put_gbps']:.2f}",
+                   f"{row['baseline_get_gbps']:.2f}")
+    console.print(rt)
+    for note in notes:
+        console.print(note, highlight=False)
 
 
 def write_json(record: dict[str, Any], path: Path) -> None:

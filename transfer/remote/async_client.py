@@ -1,4 +1,5 @@
-"""A StoreClient on a background thread: every call returns a Future at once.
+"""A remote backend (transfer.remote.backend) on a background thread: every call returns a
+Future at once.
 
 For callers that must not block (vLLM's scheduler asks for hits every step): submit, then look
 at `future.done()` on later steps. Calls run one after another in submission order, so give each
@@ -14,50 +15,50 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from transfer.remote.client import StoreClient, TransferResult
+from transfer.remote.backend import RemoteBackend, TransferResult, open_backend
 from transfer.remote.connection import StoreError
-from transfer.remote.security import Security
 
-_Job = tuple[Future, float | None, Callable[..., Any], tuple[Any, ...]]
+_Job = tuple[Future, float | None, str, tuple[Any, ...]]
 
 
-class AsyncStoreClient:
-    """Same arguments as StoreClient; construction errors (ValueError) raise here."""
+class AsyncRemoteClient:
+    """Same arguments as open_backend (URL, credentials, options); construction errors
+    (ValueError) raise here."""
 
-    def __init__(self, url: str, security: Security, **client_options: Any) -> None:
+    def __init__(self, url: str, credentials: Any, **client_options: Any) -> None:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
-        ready: Future[StoreClient] = Future()
-        self._thread = threading.Thread(target=self._run, args=(url, security, client_options,
+        ready: Future[RemoteBackend] = Future()
+        self._thread = threading.Thread(target=self._run, args=(url, credentials, client_options,
                                                                 ready),
-                                        name="kvconnector-store-client", daemon=True)
+                                        name="kvconnector-remote-client", daemon=True)
         self._thread.start()
         self._client = ready.result()  # read-only use from other threads: checks, timeout_s
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int], *,
             deadline_s: float | None = None) -> Future[TransferResult]:
         keys, slots = self._client.check_transfer(keys, slots, distinct_slots=False)
-        return self._submit(StoreClient.put, (keys, slots), deadline_s)
+        return self._submit("put", (keys, slots), deadline_s)
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
             deadline_s: float | None = None) -> Future[TransferResult]:
         keys, slots = self._client.check_transfer(keys, slots, distinct_slots=True)
-        return self._submit(StoreClient.get, (keys, slots), deadline_s)
+        return self._submit("get", (keys, slots), deadline_s)
 
     def lookup(self, keys: Sequence[bytes], *, deadline_s: float | None = None) -> Future[int]:
         """Future of the longest stored prefix of `keys` (StoreError on timeout or failure)."""
-        return self._submit(StoreClient.lookup, (self._client.check_keys(keys),), deadline_s)
+        return self._submit("lookup", (self._client.check_keys(keys),), deadline_s)
 
     def exists(self, keys: Sequence[bytes], *,
                deadline_s: float | None = None) -> Future[list[bool]]:
-        return self._submit(StoreClient.exists, (self._client.check_keys(keys),), deadline_s)
+        return self._submit("exists", (self._client.check_keys(keys),), deadline_s)
 
     def stats(self, *, deadline_s: float | None = None) -> Future[dict[str, Any]]:
-        return self._submit(StoreClient.stats, (), deadline_s)
+        return self._submit("stats", (), deadline_s)
 
     def close(self) -> None:
         """Finish the queued calls, then close the connection."""
@@ -66,27 +67,27 @@ class AsyncStoreClient:
             self._jobs.put(None)
             self._thread.join()
 
-    def __enter__(self) -> AsyncStoreClient:
+    def __enter__(self) -> AsyncRemoteClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, method: Callable[..., Any], args: tuple[Any, ...],
+    def _submit(self, method: str, args: tuple[Any, ...],
                 deadline_s: float | None) -> Future[Any]:
         if deadline_s is not None and not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
         if self._closed:
-            raise ValueError("this AsyncStoreClient is closed")
+            raise ValueError("this AsyncRemoteClient is closed")
         future: Future[Any] = Future()
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         self._jobs.put((future, deadline, method, args))
         return future
 
-    def _run(self, url: str, security: Security, options: dict[str, Any],
-             ready: Future[StoreClient]) -> None:
+    def _run(self, url: str, credentials: Any, options: dict[str, Any],
+             ready: Future[RemoteBackend]) -> None:
         try:
-            client = StoreClient(url, security, **options)
+            client = open_backend(url, credentials, **options)
         except BaseException as exc:
             ready.set_exception(exc)
             return
@@ -102,7 +103,7 @@ class AsyncStoreClient:
                                                     "could be sent"))
                     continue
                 try:
-                    future.set_result(method(client, *args, timeout_s=timeout))
+                    future.set_result(getattr(client, method)(*args, timeout_s=timeout))
                 except BaseException as exc:  # the caller sees it through the future
                     future.set_exception(exc)
         finally:

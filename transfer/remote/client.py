@@ -9,27 +9,25 @@ happened (timeout, lost connection, corrupt or short frame).
 
 On a timeout or a lost connection the client drops its socket and connects afresh, so nothing
 late lands in a slot the caller has taken back, and a restarted store is found again.
-A StoreClient belongs to one thread at a time; AsyncStoreClient (transfer.remote.async_client)
+A StoreClient belongs to one thread at a time; AsyncRemoteClient (transfer.remote.async_client)
 runs one on a background thread and returns futures.
 """
 
 from __future__ import annotations
 
-import operator
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
 
-from transfer.keys import DIGEST_BYTES, Namespace
+from transfer.keys import Namespace
+from transfer.remote.backend import RemoteBackend, TransferResult, check_positive
 from transfer.remote.connection import Connection, Exchange, StoreError
 from transfer.remote.protocol import (
     FRAME_SLACK_BYTES,
-    MAX_KEY_BYTES,
     BlockStatus,
     Limits,
     Op,
@@ -59,24 +57,7 @@ _STORE_STATUS_TEXT = {
 }
 
 
-@dataclass(frozen=True)
-class TransferResult:
-    """Per-block outcome of a put or get, in the order of the keys given."""
-
-    statuses: tuple[BlockStatus, ...]
-    errors: tuple[str, ...]  # "" where OK, else why
-    pinned_slots: tuple[int, ...] = ()  # put: slots zmq may still read; don't overwrite yet
-
-    @property
-    def ok(self) -> tuple[bool, ...]:
-        return tuple(status is BlockStatus.OK for status in self.statuses)
-
-    @property
-    def all_ok(self) -> bool:
-        return all(status is BlockStatus.OK for status in self.statuses)
-
-
-class StoreClient:
+class StoreClient(RemoteBackend):
     """A connection to one store for one namespace and (for put/get) one pool.
 
     Without a pool only lookup/exists/delete/stats/ping work; without a namespace only
@@ -90,28 +71,15 @@ class StoreClient:
         tcp_host(url)
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
-        if isinstance(namespace, Namespace):
-            namespace = namespace.digest
-        if namespace is not None and (not isinstance(namespace, bytes)
-                                      or len(namespace) != DIGEST_BYTES):
-            raise ValueError(f"namespace must be a Namespace or a {DIGEST_BYTES}-byte digest, "
-                             f"got {namespace!r}")
-        for name, value in (("timeout_s", timeout_s), ("batch_bytes", batch_bytes),
-                            ("max_in_flight", max_in_flight)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        self.url, self.namespace, self.timeout_s = url, namespace, float(timeout_s)
-        self._rows = None if pool is None else _pool_rows(pool)
-        block_bytes = 0 if self._rows is None else self._rows.shape[1]
+        super().__init__(url, namespace=namespace, pool=pool, timeout_s=timeout_s)
+        for name, value in (("batch_bytes", batch_bytes), ("max_in_flight", max_in_flight)):
+            check_positive(name, value)
+        block_bytes = self.block_bytes
         self._blocks_per_batch = max(1, min(BATCH_BLOCKS, batch_bytes // max(1, block_bytes)))
         self._sending: dict[int, list[zmq.MessageTracker]] = {}
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         self._connection = Connection(url, security, max_frame_bytes=largest_frame,
                                       max_in_flight=int(max_in_flight))
-
-    @property
-    def num_slots(self) -> int:
-        return 0 if self._rows is None else self._rows.shape[0]
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -205,46 +173,6 @@ class StoreClient:
         """Drop the connection; frames not yet sent are discarded."""
         self._connection.close()
 
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def check_keys(self, keys: Iterable[bytes]) -> list[bytes]:
-        """The keys as a list; ValueError for a key that is malformed or outside the namespace."""
-        if self.namespace is None:
-            raise ValueError("this client has no namespace: it can only run stats and ping")
-        keys = list(keys)
-        for index, key in enumerate(keys):
-            if not isinstance(key, bytes) or not DIGEST_BYTES < len(key) <= MAX_KEY_BYTES:
-                raise ValueError(f"key {index} must be {DIGEST_BYTES + 1}..{MAX_KEY_BYTES} "
-                                 f"bytes, got {key!r:.80}")
-            if key[:DIGEST_BYTES] != self.namespace:
-                raise ValueError(f"key {index} ({key.hex()}) is not in this client's namespace "
-                                 f"{self.namespace.hex()}")
-        return keys
-
-    def check_transfer(self, keys: Iterable[bytes], slots: Iterable[int], *,
-                       distinct_slots: bool) -> tuple[list[bytes], list[int]]:
-        """Keys and slots as lists; ValueError for bad keys, bad slots or a length mismatch."""
-        if self._rows is None:
-            raise ValueError("this client has no pool: put and get need one")
-        keys = self.check_keys(keys)
-        try:
-            slots = [operator.index(slot) for slot in slots]
-        except TypeError as exc:
-            raise ValueError(f"slots must be ints: {exc}") from None
-        if len(slots) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(slots)} slots")
-        for slot in slots:
-            if not 0 <= slot < self.num_slots:
-                raise ValueError(f"slot {slot} is outside the pool's 0..{self.num_slots - 1}")
-        if distinct_slots and len(set(slots)) != len(slots):
-            twice = next(s for i, s in enumerate(slots) if s in slots[:i])
-            raise ValueError(f"slot {twice} appears twice: one slot cannot receive two blocks")
-        return keys, slots
-
     def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
         sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
         return encode_request(request_id, Op.PUT, self.namespace, keys,
@@ -276,10 +204,7 @@ class StoreClient:
 
     def _exchange(self, requests: list[Exchange], complete: Callable[[Exchange, Reply], None],
                   timeout_s: float | None) -> None:
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        if not timeout > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        self._connection.exchange(requests, complete, timeout)
+        self._connection.exchange(requests, complete, self.call_timeout(timeout_s))
 
     def _receive_block(self, key: bytes, row: np.ndarray, size: int,
                        checksum: int) -> tuple[BlockStatus, str]:
@@ -324,21 +249,3 @@ def _field(reply: Reply, name: str, kind: type) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ProtocolError(f"reply {name} must be a {kind.__name__}, got {value!r:.200}")
     return value
-
-
-def _pool_rows(pool: torch.Tensor) -> np.ndarray:
-    import torch  # only clients with a pool need torch; lookup-only clients and the CLI don't
-
-    if (not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8
-            or pool.device.type != "cpu" or 0 in pool.shape):
-        raise ValueError(f"pool must be a non-empty 2-D uint8 CPU tensor (num_slots, "
-                         f"block_bytes), got {_describe(pool)}")
-    if pool.stride(1) != 1:
-        raise ValueError(f"pool rows must be contiguous (stride 1), got strides {pool.stride()}")
-    return pool.numpy()  # shares the memory: rows are the slots themselves
-
-
-def _describe(value: Any) -> str:
-    shape, dtype, device = (getattr(value, a, None) for a in ("shape", "dtype", "device"))
-    return f"{type(value).__name__} shape={tuple(shape) if shape is not None else None} " \
-           f"dtype={dtype} device={device}"

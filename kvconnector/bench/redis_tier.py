@@ -1,0 +1,262 @@
+"""The Redis tier of `kvconnector bench`: pool blocks put to and got from a Redis Cluster.
+
+Given `--redis-url`, each case's blocks (as many as the zmq remote rows move) go to the cluster
+through transfer.remote.redis_backend.RedisClusterBackend, one client, and come back into other
+pool slots; the bytes are compared after the last get. The baseline is `redis-benchmark` (Debian's
+redis-tools) doing SET and GET of values of the same size (block + the 40 B value header) on the
+same cluster in the same run, one connection per master (our one client talks to every master),
+with -P 1 and with pipelines as deep as the backend's (`batch_bytes // value`), the stronger of
+the two kept per op. Our trials and its runs alternate, and each ratio is the median of one of
+ours against the run next to it.
+
+redis-benchmark's figures are checked, not trusted: without -r every connection reuses one key
+per master (`key:{tag}:__rand_int__`, literally), which its SET run writes and its GET run then
+reads, so after a SET every such key must hold a value of the full size, and a GET run must make
+the masters send at least requests x value bytes (INFO total_net_output_bytes); a GET of a missing
+key would answer nil and look fast. Its keys and ours are deleted at the end.
+
+redis-benchmark takes a password only with -a (no environment variable or file): for its few
+seconds it is visible to local users in the process list. Use a throwaway ACL user for this.
+
+Also used by benchmarks/bench_redis.py (RedisBenchmark).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvconnector.bench.remote import REMOTE_MAX_BYTES
+
+REDIS_STEPS_PER_CASE = 1
+TOOL = "redis-benchmark"
+BASELINE = "redis-benchmark --cluster SET/GET, same value size, one connection per master"
+_MIN_BASELINE_BYTES = 512 << 20  # its clock is in ms, and each run connects anew: >= ~0.2 s
+_TIMEOUT_S = 120.0
+_KEY_PATTERN = "key:{*}:__rand_int__"  # redis-benchmark's SET/GET key without -r
+
+
+def redis_steps(num_cases: int) -> int:
+    return num_cases * REDIS_STEPS_PER_CASE
+
+
+class RedisBenchmark:
+    """redis-benchmark's SET or GET of one value size on one cluster, each run checked."""
+
+    def __init__(self, url: str, auth: Any) -> None:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        from transfer.remote.redis_values import RedisURL
+
+        tool = shutil.which(TOOL)
+        if tool is None:
+            raise RuntimeError(f"{TOOL} is not on PATH (apt-get install redis-tools)")
+        parsed = RedisURL.parse(url)
+        user = parsed.user or auth.user
+        host, port = parsed.seeds[0]
+        self._argv = [tool, "--cluster", "-h", host, "-p", str(port)]
+        if auth.password is not None:
+            # redis-benchmark reads no password file or env var: -a is the only way in
+            self._argv += [*(["--user", user] if user else []), "-a", auth.password]
+        tls: dict[str, Any] = {}
+        if parsed.tls:
+            self._argv.append("--tls")
+            if auth.ca_file is not None:
+                self._argv += ["--cacert", str(auth.ca_file)]
+            tls = {"ssl": True, "ssl_ca_certs": str(auth.ca_file) if auth.ca_file else None}
+        self._admin = RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds], username=user,
+            password=auth.password, require_full_coverage=False, socket_timeout=_TIMEOUT_S, **tls)
+        self._keys: dict[str, list[bytes]] = {}  # master name -> its redis-benchmark keys
+
+    @property
+    def masters(self) -> int:
+        return len(self._admin.get_primaries())
+
+    def run(self, op: str, value_bytes: int, requests: int, clients: int,
+            pipeline: int) -> float:
+        """Values per second of one `op` ("set" or "get") run; RuntimeError where the run
+        failed or did not move full values."""
+        counter = "total_net_input_bytes" if op == "set" else "total_net_output_bytes"
+        before = self._net_bytes(counter)
+        argv = [*self._argv, "-t", op, "-d", str(value_bytes), "-n", str(requests),
+                "-c", str(clients), "-P", str(pipeline), "--csv"]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S)
+        rows = [line.split(",") for line in proc.stdout.splitlines()
+                if line.startswith(f'"{op.upper()}"')]
+        if proc.returncode != 0 or len(rows) != 1:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{TOOL} {op} failed (exit {proc.returncode}): "
+                               f"{' | '.join(tail)}")
+        moved = self._net_bytes(counter) - before
+        if moved < requests * value_bytes:
+            raise RuntimeError(f"{TOOL} {op}: the masters moved {moved} B, less than "
+                               f"{requests} x {value_bytes} B: not full values (missing keys?)")
+        if op == "set":
+            self._check_values(value_bytes)
+        rps = float(rows[0][1].strip('"'))
+        if not math.isfinite(rps) or rps <= 0:
+            raise RuntimeError(f"{TOOL} {op}: run too short to time ({rps} rps); raise -n")
+        return rps
+
+    def cleanup(self) -> None:
+        """Delete redis-benchmark's keys, then drop the connection."""
+        try:
+            for key in {k for keys in self._find_keys().values() for k in keys}:
+                self._admin.delete(key)
+        finally:
+            self._admin.close()
+
+    def _net_bytes(self, counter: str) -> int:
+        return sum(self._admin.get_redis_connection(node).info("stats")[counter]
+                   for node in self._admin.get_primaries())
+
+    def _find_keys(self) -> dict[str, list[bytes]]:
+        return {node.name: list(self._admin.get_redis_connection(node).scan_iter(
+                    match=_KEY_PATTERN, count=1000)) for node in self._admin.get_primaries()}
+
+    def _check_values(self, value_bytes: int) -> None:
+        if not self._keys or not all(self._keys.values()):
+            self._keys = self._find_keys()
+        for name, keys in self._keys.items():
+            client = self._admin.get_redis_connection(self._admin.get_node(node_name=name))
+            sizes = [client.strlen(key) for key in keys]
+            if not sizes or value_bytes not in sizes:
+                raise RuntimeError(f"{TOOL} set: master {name} holds no {value_bytes} B value "
+                                   f"under {_KEY_PATTERN} (sizes {sizes})")
+
+
+def baseline_requests(value_bytes: int, at_least: int) -> int:
+    return max(at_least, -(-_MIN_BASELINE_BYTES // value_bytes))
+
+
+def measure_redis(plan: list[Any], host_arena: torch.Tensor, budget: int, repeats: int,
+                  step: Callable[[str], None], url: str, auth: Any) -> dict[str, Any]:
+    """Rows per case: our put/get GB/s and, where redis-benchmark runs, its SET/GET."""
+    try:
+        from transfer.remote.redis_backend import DEFAULT_BATCH_BYTES
+        from transfer.remote.redis_values import HEADER_BYTES
+    except ImportError as exc:
+        for _ in range(redis_steps(len(plan))):
+            step("redis tier: skipped")
+        return {"skipped": f"redis tier unavailable: {exc}"}
+    try:
+        baseline: RedisBenchmark | None = RedisBenchmark(url, auth)
+        unavailable = ""
+    except Exception as exc:  # no tool, or the cluster refuses its admin client
+        baseline, unavailable = None, f"{type(exc).__name__}: {exc}"
+    rows = []
+    try:
+        for case, blocks, _ in plan:
+            step(f"{case.name}: redis tier")
+            block_bytes = case.layout.block_bytes
+            n = max(1, min(blocks, min(REMOTE_MAX_BYTES, budget // 8) // block_bytes))
+            pool = host_arena[: 2 * n * block_bytes].view(2 * n, block_bytes)
+            value_bytes = block_bytes + HEADER_BYTES
+            depth = max(1, DEFAULT_BATCH_BYTES // value_bytes)  # the backend's pipelines
+            row: dict[str, Any] = {"case": case.name, "block_bytes": block_bytes, "blocks": n,
+                                   "value_bytes": value_bytes, "clients": 1}
+            try:
+                row.update(_measure_case(case, pool, n, repeats, url, auth, baseline, depth))
+            except Exception as exc:  # a failed case is a finding; the others still run
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            if baseline is None and "error" not in row:
+                row["baseline_unavailable"] = unavailable
+            rows.append(row)
+    finally:
+        if baseline is not None:
+            baseline.cleanup()
+    return {"url": _url_without_user(url), "rows": rows, "baseline": BASELINE,
+            "max_bytes_per_op": REMOTE_MAX_BYTES}
+
+
+def _measure_case(case: Any, pool: torch.Tensor, n: int, repeats: int, url: str, auth: Any,
+                  baseline: RedisBenchmark | None, depth: int) -> dict[str, Any]:
+    from transfer.keys import Namespace
+    from transfer.remote.backend import open_backend
+    from transfer.remote.redis_values import HEADER_BYTES
+
+    block_bytes = pool.shape[1]
+    ns = Namespace("kvconnector-bench-redis", str(case.layout.dtype), case.layout.block_size,
+                   case.layout.describe())
+    keys = ns.keys(list(range(n)))
+    rng = random.Random(n)
+    put_slots, get_slots = rng.sample(range(0, 2 * n, 2), n), rng.sample(range(1, 2 * n, 2), n)
+    pool[put_slots].copy_(torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8))
+    value_bytes = block_bytes + HEADER_BYTES
+    requests = baseline_requests(value_bytes, n)
+    # -P 1 and our depth: deep pipelines of large SETs cost Redis a copy of its query buffer,
+    # so neither is always the stronger; the row holds the stronger of the two
+    pipelines = sorted({1, depth})
+    masters = baseline.masters if baseline is not None else 0
+    ours: dict[str, list[float]] = {"put": [], "get": []}  # seconds for n values
+    theirs: dict[tuple[str, int], list[float]] = {(op, p): [] for op in ours for p in pipelines}
+    baseline_failed = "" if baseline is not None else "no redis-benchmark"
+    backend = open_backend(url, auth, namespace=ns, pool=pool, timeout_s=_TIMEOUT_S)
+    try:
+        def transfer(op: str) -> float:
+            t0 = time.perf_counter()
+            result = (backend.put(keys, put_slots) if op == "put"
+                      else backend.get(keys, get_slots))
+            elapsed = time.perf_counter() - t0
+            if not result.all_ok:
+                bad = next(i for i, ok in enumerate(result.ok) if not ok)
+                raise RuntimeError(f"redis {op} failed: {result.errors[bad]!r}")
+            return elapsed
+
+        def benchmark(op: str) -> dict[int, float]:
+            nonlocal baseline_failed
+            if baseline is None or baseline_failed:
+                return {}
+            try:
+                return {p: n / baseline.run("set" if op == "put" else "get", value_bytes,
+                                            requests, masters, p) for p in pipelines}
+            except Exception as exc:  # ours still stands, without a ratio
+                baseline_failed = f"{type(exc).__name__}: {exc}"
+                return {}
+
+        for trial in range(repeats + 1):  # the first: connections, slot map, warm-up
+            for op in ("put", "get"):
+                if trial % 2 == 0:  # alternate which goes first
+                    seconds, base = transfer(op), benchmark(op)
+                else:
+                    base, seconds = benchmark(op), transfer(op)
+                if trial > 0:
+                    ours[op].append(seconds)
+                    for p, t in base.items():
+                        theirs[(op, p)].append(t)
+        if not torch.equal(pool[get_slots], pool[put_slots]):
+            raise RuntimeError("redis round trip returned other bytes")
+    finally:
+        try:
+            backend.delete(keys)
+        finally:
+            backend.close()
+    nbytes = n * block_bytes
+    out: dict[str, Any] = {}
+    for op in ("put", "get"):
+        out[op] = {"gbps": nbytes / statistics.median(ours[op]) / 1e9, "seconds": ours[op]}
+        if baseline_failed:
+            continue
+        best = min(pipelines, key=lambda p: statistics.median(theirs[(op, p)]))
+        base = theirs[(op, best)]
+        # each of our trials against the baseline run next to it, under the same load
+        out[op]["ratio"] = statistics.median(t / s for s, t in zip(ours[op], base, strict=True))
+        out[f"baseline_{op}_gbps"] = nbytes / statistics.median(base) / 1e9
+        out[f"baseline_{op}_flags"] = {"c": masters, "P": best, "n": requests, "d": value_bytes}
+    if baseline_failed and baseline is not None:
+        out["baseline_unavailable"] = baseline_failed
+    return out
+
+
+def _url_without_user(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"

@@ -1,0 +1,193 @@
+"""A Redis Cluster as the connector's remote tier, through vLLM 0.32's real Scheduler and
+AsyncScheduler (tests/vllm_harness.py), against a real 3-master cluster (tests/conftest.py).
+
+Two engines sharing the cluster behave as engines sharing a prefix, bit-exact (the harness
+compares every byte a request starts from); a master killed after the lookup makes the blocks it
+held fail to load and vLLM recompute them, while the blocks on the surviving masters still hit;
+a wrong password costs nothing but the remote tier.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("redis")
+
+import torch  # noqa: E402
+import vllm_harness as h  # noqa: E402
+
+from kvconnector.vllm import ConnectorOptions  # noqa: E402
+from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
+from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis_values import RedisAuth, redis_key  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+
+BS = h.BLOCK_SIZE
+POISON = 0x5A
+MAX_STEPS = 200_000
+SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return h.write_model_dir(tmp_path_factory.mktemp("tiny-llama-redis"))
+
+
+@pytest.fixture(autouse=True)
+def shut_engines_down() -> None:
+    yield
+    for engine in list(h.Engine.live):
+        lookups = engine.connector._remote_lookups
+        if lookups is not None:
+            lookups.close()
+    h.Engine.shutdown_all()
+
+
+def block_bytes(tp: int) -> int:
+    return h.NUM_LAYERS * (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2
+
+
+def make_engine(model_dir: str, cluster: LocalRedisCluster, async_scheduling: bool = False,
+                tp: int = 1, password_file: Path | None = None) -> h.Engine:
+    config = {"cpu_bytes": 64 * block_bytes(tp), "remote_url": cluster.url,
+              "remote_redis_password_file": str(password_file or cluster.password_file),
+              "remote_lookup_deadline_s": 0.5, "remote_timeout_s": 2.0}
+    return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
+                                  tensor_parallel_size=tp, extra_config=config))
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50, 950) for _ in range(length)]
+
+
+def poison_gpu(engine: h.Engine) -> None:
+    for worker in engine.workers:
+        for view in worker.caches.values():
+            view.view(torch.uint8).fill_(POISON)
+
+
+def run_to_completion(engine: h.Engine, requests: dict[str, tuple[list[int], int]]) -> None:
+    for req_id, (prompt, max_tokens) in requests.items():
+        engine.add(req_id, prompt, max_tokens)
+    engine.run(max_steps=MAX_STEPS)
+    for req_id, (prompt, max_tokens) in requests.items():
+        assert engine.finished[req_id] == engine.expected_tokens(prompt, max_tokens), req_id
+    engine.assert_no_leaks()
+
+
+def block_keys(engine: h.Engine, prompt: list[int]) -> list[bytes]:
+    """The rank-0 keys of the prompt's full blocks (what the engine puts and looks up)."""
+    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
+                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
+    return engine.connector._scheduler.namespace.keys(probe.block_hashes)
+
+
+def cluster_keys(cluster: LocalRedisCluster) -> int:
+    admin = cluster.admin()
+    try:
+        return sum(1 for _ in admin.scan_iter(match=b"kvc:*", target_nodes=admin.ALL_NODES))
+    finally:
+        admin.close()
+
+
+def remote_failures(engine: h.Engine) -> int:
+    return sum(w.connector._worker.remote_failures for w in engine.workers)
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_engines_share_a_prefix_through_the_cluster_bit_exact(
+        model_dir: str, redis_cluster_factory, async_scheduling: bool, tp: int) -> None:
+    cluster = redis_cluster_factory()
+    first = make_engine(model_dir, cluster, async_scheduling, tp)
+    prompt = make_prompt(1, 6 * BS + 3)
+    run_to_completion(first, {"a": (prompt, 3)})
+    assert cluster_keys(cluster) == 6 * tp  # write-through: every full block of every rank
+
+    second = make_engine(model_dir, cluster, async_scheduling, tp)
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [6 * BS]  # resumed after the remote load
+        assert worker.prefix_checks == 6 * BS  # every fetched byte compared
+    assert remote_failures(second) == 0
+    assert second.connector._remote_lookups.failures == 0
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_a_master_killed_after_lookup_recomputes_its_blocks_and_survivors_still_hit(
+        model_dir: str, redis_cluster_factory, async_scheduling: bool) -> None:
+    cluster = redis_cluster_factory()
+    first = make_engine(model_dir, cluster, async_scheduling)
+    prompt = make_prompt(4, 8 * BS + 5)
+    run_to_completion(first, {"a": (prompt, 2)})
+    masters = [cluster.master_index_for_key(redis_key(k)) for k in block_keys(first, prompt)]
+    # The victim: the master of the first block that is not on block 0's master.
+    lost = next(i for i, m in enumerate(masters) if m != masters[0])
+    victim = masters[lost]
+
+    second = make_engine(model_dir, cluster, async_scheduling)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    plan_load = core.plan_load
+
+    def plan_then_kill(*args: object, **kwargs: object) -> tuple[int, int]:
+        planned = plan_load(*args, **kwargs)
+        if planned[1]:
+            cluster.kill(victim)  # the lookup found all 8; the get will lose the victim's
+        return planned
+
+    core.plan_load = plan_then_kill
+    run_to_completion(second, {"b": (prompt, 2)})
+    # Blocks before the first lost one came from the surviving masters (bytes compared); vLLM
+    # recomputed from there, never reading poison.
+    assert second.workers[0].starts["b"] == [lost * BS]
+    assert second.workers[0].prefix_checks == lost * BS
+    assert remote_failures(second) >= 1
+    # Another engine still finds the surviving prefix.
+    third = make_engine(model_dir, cluster, async_scheduling)
+    poison_gpu(third)
+    run_to_completion(third, {"c": (prompt, 2)})
+    assert third.workers[0].starts["c"] == [lost * BS]
+
+
+def test_a_wrong_password_recomputes_and_stores_nothing(model_dir: str, redis_cluster_factory,
+                                                        tmp_path: Path) -> None:
+    cluster = redis_cluster_factory()
+    (tmp_path / "wrong").write_text("not-the-password\n")
+    intruder = make_engine(model_dir, cluster, password_file=tmp_path / "wrong")
+    prompt = make_prompt(9, 3 * BS + 1)
+    run_to_completion(intruder, {"a": (prompt, 2)})
+    assert intruder.workers[0].starts["a"] == [0]
+    assert remote_failures(intruder) >= 1  # its write-through put was refused
+    assert cluster_keys(cluster) == 0
+    honest = RedisClusterBackend(cluster.url, RedisAuth.from_sources(None, cluster.password_file),
+                                 namespace=intruder.connector._scheduler.namespace)
+    with honest:
+        assert honest.lookup(block_keys(intruder, prompt)) == 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"remote_url": "redis://127.0.0.1:7000", "remote_security": "secret"},
+     "are for tcp:// stores"),
+    ({"remote_url": "redis://127.0.0.1:7000", "remote_secret_file": "/x"},
+     "are for tcp:// stores"),
+    ({"remote_url": "tcp://127.0.0.1:7000", "remote_redis_user": "kv"}, "are for redis:// URLs"),
+    ({"remote_url": "redis://10.1.2.3:7000"}, "allowed only on loopback"),
+    ({"remote_url": "redis://127.0.0.1:7000", "remote_redis_password_file": "/no/such/file"},
+     "does not exist"),
+    ({"remote_url": "redis://127.0.0.1:7000", "remote_redis_ca_file": "/etc/hostname"},
+     "for rediss:// \\(TLS\\) URLs"),
+    ({"remote_url": "redis://kv:pw@127.0.0.1:7000"}, "never in the URL"),
+])
+def test_redis_options_refuse_bad_values(extra: dict, message: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVCONNECTOR_REDIS_PASSWORD", raising=False)
+    with pytest.raises(ValueError, match=message):
+        ConnectorOptions.parse({"cpu_bytes": 1, **extra})

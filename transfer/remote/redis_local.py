@@ -1,0 +1,435 @@
+"""A real local Redis Cluster (Debian's redis-server) for tests and benchmarks.
+
+LocalRedisCluster starts `masters` redis-server processes on free 127.0.0.1 ports in a private
+temp dir, forms a cluster of masters only (no replicas) with the slots split evenly, and tears it
+all down on stop(), at interpreter exit, or when the object is collected.
+
+Auth is an ACL user with a random password (the `default` user is off); the password lives only
+in each node's 0600 config file and in `password_file`, never on a command line. With tls=True
+the nodes listen on TLS only, with a throwaway CA (`ca_file`) and a server cert for 127.0.0.1.
+
+`url` is "redis://USER@127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3" ("rediss://" with TLS): the user
+name rides in the first host's userinfo, the password is never in the URL (read password_file).
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.retry import Retry
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 15.0
+CONVERGE_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+_POLL_S = 0.05
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (held open together so none is handed out twice)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((HOST, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _slot_ranges(masters: int) -> list[tuple[int, int]]:
+    """0..16383 split into `masters` contiguous, near-equal ranges (inclusive ends)."""
+    bounds = [round(i * REDIS_CLUSTER_HASH_SLOTS / masters) for i in range(masters + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(masters)]
+
+
+def _openssl() -> str | None:
+    return shutil.which("openssl")
+
+
+def _make_certs(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a CA-signed cert for 127.0.0.1; returns (ca, cert, key) paths."""
+    ca, cert, key = directory / "ca.crt", directory / "server.crt", directory / "server.key"
+    openssl = _openssl()
+    if openssl is not None:
+        ca_key, csr, ext = directory / "ca.key", directory / "server.csr", directory / "server.ext"
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        ext.write_text("basicConstraints=critical,CA:FALSE\n"
+                       "keyUsage=critical,digitalSignature,keyEncipherment\n"
+                       # serverAuth for clients; clientAuth because nodes dial each other's bus
+                       "extendedKeyUsage=serverAuth,clientAuth\n"
+                       "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                       "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
+        for args in (
+            ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2",
+             "-subj", "/CN=kvconnector test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            ["req", "-new", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+             "-out", cert, "-days", "2", "-extfile", ext],
+        ):
+            subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
+        return ca, cert, key
+    try:
+        from cryptography import x509  # noqa: F401
+    except ImportError:
+        raise RuntimeError("tls=True needs the `openssl` CLI on PATH or the `cryptography` "
+                           "package to make a throwaway CA") from None
+    return _make_certs_cryptography(ca, cert, key)
+
+
+def _make_certs_cryptography(ca: Path, cert: Path, key: Path) -> tuple[Path, Path, Path]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvconnector test CA")])
+
+    def builder(subject: x509.Name, public_key: Any) -> x509.CertificateBuilder:
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
+                .public_key(public_key).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=2))
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False))
+
+    ca_cert = (builder(ca_name, ca_key.public_key())
+               .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+               .add_extension(x509.KeyUsage(False, False, False, False, False, True, True,
+                                            False, False), True)
+               .sign(ca_key, hashes.SHA256()))
+    server_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
+    server_cert = (
+        builder(server_name, server_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                              ExtendedKeyUsageOID.CLIENT_AUTH]), False)
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)),
+                                                    x509.DNSName("localhost")]), False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+            ca_key.public_key()), False)
+        .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    ca.write_bytes(ca_cert.public_bytes(pem))
+    cert.write_bytes(server_cert.public_bytes(pem))
+    key.write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()))
+    return ca, cert, key
+
+
+class _Processes:
+    """The state the exit-time finalizer needs (it must not hold the cluster object itself)."""
+
+    def __init__(self, count: int, root: Path) -> None:
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
+        self.root = root
+
+    def stop(self) -> None:
+        running = [p for p in self.procs if p is not None and p.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_TIMEOUT_S)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LocalRedisCluster:
+    """`masters` redis-server processes forming one Redis Cluster on 127.0.0.1 (a context manager).
+
+    Without replicas a killed master's slots stay unserved until restart(); the survivors keep
+    serving theirs (cluster-require-full-coverage no).
+    """
+
+    def __init__(self, masters: int = 3, *, maxmemory: int | None = None,
+                 user: str = "kvconnector", tls: bool = False,
+                 node_timeout_ms: int = 1000) -> None:
+        if masters < 1:
+            raise ValueError(f"masters must be >= 1, got {masters}")
+        self._server = shutil.which("redis-server")
+        if self._server is None:
+            raise RuntimeError("redis-server is not on PATH: install Debian's redis-server "
+                               "(apt-get install redis-server redis-tools)")
+        self._user = user
+        self._password = secrets.token_urlsafe(32)
+        self._maxmemory = maxmemory
+        self._tls = tls
+        self._node_timeout_ms = node_timeout_ms
+        self._ranges = _slot_ranges(masters)
+        self._root = Path(tempfile.mkdtemp(prefix="kvc-redis-"))  # 0700
+        self._state = _Processes(masters, self._root)
+        self._finalizer = weakref.finalize(self, self._state.stop)  # also runs at exit
+        self._ports: list[int] = []
+        self._bus_ports: list[int] = []
+        self._password_file = self._root / "password"
+        self._password_file.touch(mode=0o600)
+        self._password_file.write_text(self._password + "\n")
+        self._certs = _make_certs(self._root) if tls else None
+        try:
+            self._start_all()
+            self._form()
+        except BaseException:
+            self.stop()
+            raise
+
+    # --- public API -------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[tuple[str, int]]:
+        return [(HOST, port) for port in self._ports]
+
+    @property
+    def url(self) -> str:
+        scheme = "rediss" if self._tls else "redis"
+        return f"{scheme}://{self._user}@" + ",".join(f"{h}:{p}" for h, p in self.nodes)
+
+    @property
+    def user(self) -> str:
+        return self._user
+
+    @property
+    def password(self) -> str:
+        return self._password
+
+    @property
+    def password_file(self) -> Path:
+        return self._password_file
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the live redis-server processes (index order, killed ones left out)."""
+        return [p.pid for p in self._state.procs if p is not None and p.poll() is None]
+
+    @property
+    def ca_file(self) -> Path | None:
+        return self._certs[0] if self._certs else None
+
+    def node_client(self, index: int, **kwargs: Any) -> redis.Redis:
+        """A plain client for one node (it serves only its own slots; others answer MOVED)."""
+        # no retries by default: redis-py's retry backoff would hide a dead node for seconds
+        options = {"retry": Retry(NoBackoff(), 0), **self._client_kwargs(), **kwargs}
+        return redis.Redis(host=HOST, port=self._ports[index], **options)
+
+    def admin(self, **kwargs: Any) -> RedisCluster:
+        """A cluster client with the credentials; keyword args override the defaults."""
+        # full coverage not required and few, short retries: a killed master fails fast
+        options: dict[str, Any] = {"require_full_coverage": False,
+                                   "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+                                   **self._client_kwargs()}
+        options.update(kwargs)
+        startup = [ClusterNode(h, p) for h, p in self.nodes]
+        return RedisCluster(startup_nodes=startup, **options)
+
+    def master_index_for_key(self, key: bytes) -> int:
+        """Index (into `nodes`) of the master owning the key's slot (hash tags honoured)."""
+        return self._index_for_slot(key_slot(key))
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one node and wait for the process to be gone (no-op if already down)."""
+        proc = self._state.procs[index]
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(STOP_TIMEOUT_S)
+
+    def restart(self, index: int) -> None:
+        """Start a killed node on its ports and nodes.conf (so it owns its slots again, empty:
+        no persistence); wait until the whole cluster is ok."""
+        proc = self._state.procs[index]
+        if proc is not None and proc.poll() is None:
+            raise RuntimeError(f"node {index} is still running: kill() it first")
+        self._spawn(index)
+        self._wait_ready(index)
+        self._wait_converged()
+
+    def stop(self) -> None:
+        """Terminate every node, wait, remove the temp dir (idempotent)."""
+        self._finalizer()
+
+    def log_tail(self, index: int, lines: int = 30) -> str:
+        log = self._node_dir(index) / "redis.log"
+        try:
+            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"username": self._user, "password": self._password,
+                                   "socket_timeout": 5.0, "socket_connect_timeout": 2.0}
+        if self._certs:
+            options.update(ssl=True, ssl_ca_certs=str(self._certs[0]))
+        return options
+
+    def _index_for_slot(self, slot: int) -> int:
+        for index, (low, high) in enumerate(self._ranges):
+            if low <= slot <= high:
+                return index
+        raise AssertionError(f"slot {slot} outside 0..{REDIS_CLUSTER_HASH_SLOTS - 1}")
+
+    def _node_dir(self, index: int) -> Path:
+        return self._root / f"node{index}"
+
+    def _config(self, index: int) -> str:
+        port, bus = self._ports[index], self._bus_ports[index]
+        lines = [
+            f"bind {HOST}", "protected-mode yes", "daemonize no", "loglevel notice",
+            f"dir {self._node_dir(index)}",
+            "cluster-enabled yes", "cluster-config-file nodes.conf",
+            f"cluster-port {bus}",  # explicit bus port: port+10000 may be taken or > 65535
+            f"cluster-node-timeout {self._node_timeout_ms}",
+            # survivors keep serving their slots while a master is down (our requirement)
+            "cluster-require-full-coverage no", "cluster-allow-reads-when-down no",
+            'save ""', "appendonly no",
+            f"maxmemory {self._maxmemory or 0}", "maxmemory-policy allkeys-lru",
+            "user default off",
+            f"user {self._user} on >{self._password} ~* &* +@all",
+        ]
+        if self._certs:
+            ca, cert, key = self._certs
+            lines += ["port 0", f"tls-port {port}", f"tls-cert-file {cert}",
+                      f"tls-key-file {key}", f"tls-ca-cert-file {ca}", "tls-cluster yes",
+                      "tls-replication yes", "tls-auth-clients no"]
+        else:
+            lines.append(f"port {port}")
+        return "\n".join(lines) + "\n"
+
+    def _spawn(self, index: int) -> None:
+        node_dir = self._node_dir(index)
+        node_dir.mkdir(mode=0o700, exist_ok=True)
+        config = node_dir / "redis.conf"
+        config.touch(mode=0o600)  # holds the password
+        config.write_text(self._config(index))
+        with (node_dir / "redis.log").open("ab") as log:
+            # only the config path on the command line: the password stays in the 0600 file
+            self._state.procs[index] = subprocess.Popen(
+                [self._server, str(config)], cwd=node_dir, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT)
+
+    def _start_all(self) -> None:
+        count = len(self._ranges)
+        for attempt in range(3):
+            ports = _free_ports(2 * count)
+            self._ports, self._bus_ports = ports[:count], ports[count:]
+            for index in range(count):
+                self._spawn(index)
+            try:
+                for index in range(count):
+                    self._wait_ready(index)
+                return
+            except RuntimeError:
+                # a port grabbed between probing and binding: retry on fresh ports
+                raced = any("Address already in use" in self.log_tail(i) for i in range(count))
+                if not raced or attempt == 2:
+                    raise
+                for index in range(count):
+                    self.kill(index)
+                    shutil.rmtree(self._node_dir(index))  # its nodes.conf names the old ports
+
+    def _wait_ready(self, index: int) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
+        try:
+            while True:
+                proc = self._state.procs[index]
+                if proc is None or proc.poll() is not None:
+                    raise RuntimeError(f"redis-server node {index} exited during startup; "
+                                       f"log:\n{self.log_tail(index)}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server node {index} not answering PING after "
+                                       f"{START_TIMEOUT_S:.0f} s; log:\n{self.log_tail(index)}")
+                time.sleep(_POLL_S)
+        finally:
+            client.close()
+
+    def _form(self) -> None:
+        clients = [self.node_client(i) for i in range(len(self._ranges))]
+        try:
+            pairs = zip(clients, self._ranges, strict=True)
+            for epoch, (client, (low, high)) in enumerate(pairs, 1):
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+                # distinct epochs up front, as redis-cli --cluster create does
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+            for port, bus in zip(self._ports[1:], self._bus_ports[1:], strict=True):
+                clients[0].execute_command("CLUSTER", "MEET", HOST, port, bus)
+        finally:
+            for client in clients:
+                client.close()
+        self._wait_converged()
+
+    def _convergence_problem(self) -> str | None:
+        """None when every node is ok, knows all nodes, flags none failed, has our slot map."""
+        expected = sorted((low, high, port)
+                          for (low, high), port in zip(self._ranges, self._ports, strict=True))
+        for index in range(len(self._ranges)):
+            client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
+            try:
+                info = client.execute_command("CLUSTER", "INFO")
+                info = info.decode() if isinstance(info, bytes) else str(info)
+                fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
+                if fields.get("cluster_state") != "ok":
+                    return f"node {index}: cluster_state={fields.get('cluster_state')}"
+                if fields.get("cluster_known_nodes") != str(len(self._ranges)):
+                    return f"node {index}: knows {fields.get('cluster_known_nodes')} nodes"
+                raw_nodes = client.execute_command("CLUSTER", "NODES")
+                if isinstance(raw_nodes, bytes):
+                    raw_nodes = raw_nodes.decode()
+                if isinstance(raw_nodes, str) and "fail" in raw_nodes:
+                    return f"node {index} flags a node as failing"
+                slots = sorted((int(entry[0]), int(entry[1]), int(entry[2][1]))
+                               for entry in client.execute_command("CLUSTER", "SLOTS"))
+                if slots != expected:
+                    return f"node {index}: slot map {slots} != {expected}"
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                return f"node {index}: {exc!r}"
+            finally:
+                client.close()
+        return None
+
+    def _wait_converged(self) -> None:
+        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        while (problem := self._convergence_problem()) is not None:
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- node {i} ({HOST}:{p}) ---\n{self.log_tail(i)}"
+                                  for i, p in enumerate(self._ports))
+                raise RuntimeError(f"Redis Cluster did not converge in {CONVERGE_TIMEOUT_S:.0f}"
+                                   f" s: {problem}\n{tails}")
+            time.sleep(_POLL_S * 2)
