@@ -225,10 +225,11 @@ def run_mode(setup: Setup, clients: int, blocks: int, trials: int,
         store_gbps = total / statistics.median(store_s) / 1e9
         raw_gbps = total / statistics.median(raw_s) / 1e9
         # each store trial against the baseline trial run next to it, under the same load
-        ratio = statistics.median(r / s for s, r in zip(store_s, raw_s, strict=True))
+        ratios = [r / s for s, r in zip(store_s, raw_s, strict=True)]
         rows.append({"security": setup.mode, "clients": clients, "op": op,
                      "store_gbps": store_gbps, "baseline_gbps": raw_gbps,
-                     "ratio": ratio, "bytes_per_trial": total,
+                     "ratio": statistics.median(ratios), "trial_ratios": ratios,
+                     "bytes_per_trial": total,
                      "store_seconds": seconds[("store", op)],
                      "baseline_seconds": seconds[("raw", op)]})
     return rows
@@ -250,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
             for clients in CLIENT_COUNTS:
                 rows += run_mode(setup, clients, args.blocks // clients, args.trials,
                                  Path(tmp) / f"store-{setup.mode}-{clients}.log")
+    # the trials' spread too: on a busy machine one trial's ratio can be far off the median
     print(f"{'security':<8} {'clients':>7} {'op':<4} {'store GB/s':>10} {'raw GB/s':>9} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'trials min-max':>14}")
     for row in rows:
         print(f"{row['security']:<8} {row['clients']:>7} {row['op']:<4} "
-              f"{row['store_gbps']:>10.2f} {row['baseline_gbps']:>9.2f} {row['ratio']:>6.2f}")
+              f"{row['store_gbps']:>10.2f} {row['baseline_gbps']:>9.2f} {row['ratio']:>6.2f} "
+              f"{min(row['trial_ratios']):>9.2f}-{max(row['trial_ratios']):.2f}")
     report = {
         "benchmark": "remote store vs raw pyzmq, loopback",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -30,7 +30,7 @@ from transfer.remote.protocol import (
     reply_statuses,
 )
 from transfer.remote.security import Security
-from transfer.remote.server import VERIFY_TASK_BYTES, StoreServer
+from transfer.remote.server import VERIFY_INLINE_BYTES, StoreServer
 from transfer.remote.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10  # at pyzmq's copy threshold: frames go zero-copy
@@ -291,8 +291,8 @@ def test_unanswered_request_ids_and_stats_ops(store: StoreProcess) -> None:
 
 
 def _large_put(count: int, seed: int) -> tuple[list[bytes], list[bytes], list[int]]:
-    """`count` blocks of half a verifier task each, so a put of 2+ goes to the verifier."""
-    size = VERIFY_TASK_BYTES // 2
+    """`count` blocks of half the inline limit each, so a put of 2+ goes to the verifier."""
+    size = VERIFY_INLINE_BYTES // 2
     keys = NS_A.keys([b"large-%d-%d" % (seed, i) for i in range(count)])
     blocks = [_pool(1, seed=seed + i, block=size)[0].numpy().tobytes() for i in range(count)]
     return keys, blocks, [block_checksum(b, k) for b, k in zip(blocks, keys, strict=True)]

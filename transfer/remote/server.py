@@ -3,6 +3,9 @@
 Requests are served one message at a time in arrival order, so clients interleave at request
 granularity; zmq's IO thread does the socket work. Blocks are received zero-copy (the store keeps
 the frame) and sent zero-copy with a MessageTracker that keeps them pinned until zmq is done.
+A large put's checksums are checked on worker threads (xxhash releases the GIL), its blocks in
+parallel, while the loop goes on receiving; puts are stored and answered in arrival order once
+checked, so a block is never stored (or served) before its bytes have matched their checksum.
 Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
 the `kvconnector store serve` command).
 """
@@ -10,9 +13,13 @@ the `kvconnector store serve` command).
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -44,22 +51,51 @@ COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "
             "request_errors", "internal_errors", "dropped_replies", "auth_refused")
 # one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
 _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# Puts carrying at least this many bytes are checked on the worker threads, one task per thread;
+# smaller ones inline, where hashing them costs less than a thread hop.
+VERIFY_INLINE_BYTES = 1 << 20
+# two halve the wait for a put's last checks even on 2 cores (zmq's IO threads are idle by then);
+# four check several clients' puts at once
+DEFAULT_VERIFY_THREADS = max(2, min(4, (os.cpu_count() or 1) - 1))
+
+
+@dataclass(eq=False)
+class _PendingPut:
+    """A put whose checksums are being checked; stored and answered once `remaining` is 0."""
+
+    identity: bytes
+    request: Request
+    blocks: list[zmq.Frame]
+    valid: list[bool | None]  # per block: bytes match the checksum; None: not checked
+    remaining: int = 0  # verifier tasks still running
+    failed: bool = False  # a verifier task raised: the put gets an internal error
 
 
 class StoreServer:
     """A block store listening on `listen` (tcp://HOST:PORT; PORT may be * for a free port)."""
 
     def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, verify_threads: int | None = None) -> None:
         tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
+        if verify_threads is None:
+            verify_threads = DEFAULT_VERIFY_THREADS
+        if isinstance(verify_threads, bool) or not isinstance(verify_threads, int) \
+                or verify_threads < 0:
+            raise ValueError(f"verify_threads must be an int >= 0 (0: check puts inline), "
+                             f"got {verify_threads!r}")
+        self._verify_threads = verify_threads
         self.listen = listen
         self.limits = limits or Limits()
         self._store = BlockStore(capacity_bytes)
         self._security = security
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._in_flight: list[tuple[zmq.MessageTracker, StoredBlock]] = []
+        self._pending: deque[_PendingPut] = deque()  # puts in arrival order, being checked
+        self._verifier: ThreadPoolExecutor | None = None
+        self._done_lock = threading.Lock()
+        self._wake_fd = -1  # a verifier writes a byte here when it finishes a put
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._context: zmq.Context | None = None
@@ -125,12 +161,21 @@ class StoreServer:
         }
 
     def _serve(self) -> None:
+        wake_read, self._wake_fd = os.pipe()
+        os.set_blocking(wake_read, False)
+        os.set_blocking(self._wake_fd, False)
+        if self._verify_threads:
+            self._verifier = ThreadPoolExecutor(self._verify_threads,
+                                                thread_name_prefix="kvconnector-verify")
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(wake_read, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(_BUSY_POLL_MS if self._in_flight else _IDLE_POLL_MS))
+                if wake_read in ready:
+                    _drain(wake_read)
                 if self._monitor in ready:
                     self._count_refusals()
                 if self._sock in ready:
@@ -140,8 +185,14 @@ class StoreServer:
                         except zmq.Again:
                             break
                         self._handle(frames)
+                        self._finish_puts()
+                self._finish_puts()
                 self._release_sent()
         finally:
+            if self._verifier is not None:  # puts still being checked are dropped unanswered
+                self._verifier.shutdown(wait=True, cancel_futures=True)
+            os.close(wake_read)
+            os.close(self._wake_fd)
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
@@ -195,7 +246,7 @@ class StoreServer:
     def _dispatch(self, identity: bytes, request: Request, blocks: list[zmq.Frame]) -> None:
         store, rid = self._store, request.request_id
         if request.op is Op.PUT:
-            self._reply(identity, encode_reply(rid, status=self._put(request, blocks)))
+            self._put(identity, request, blocks)
         elif request.op is Op.GET:
             self._get(identity, request)
         elif request.op is Op.LOOKUP:
@@ -210,19 +261,69 @@ class StoreServer:
         else:
             self._reply(identity, encode_reply(rid, protocol=PROTOCOL_VERSION))
 
-    def _put(self, request: Request, blocks: list[zmq.Frame]) -> list[str]:
+    def _put(self, identity: bytes, request: Request, blocks: list[zmq.Frame]) -> None:
+        """Check the blocks' checksums (on the verifier when large), then `_finish_puts`."""
         if len(blocks) != len(request.keys):
             raise RequestError(ErrorCode.FRAMES, f"put declares {len(request.keys)} blocks but "
                                f"carries {len(blocks)} frames", request.request_id)
+        pending = _PendingPut(identity, request, blocks, [None] * len(blocks))
+        todo = [i for i, (key, size, frame) in enumerate(zip(request.keys, request.sizes, blocks,
+                                                             strict=True))
+                if frame.buffer.nbytes == size and key not in self._store]
+        todo.reverse()  # the last blocks received are the likeliest still in cache
+        if self._verifier is None or sum(request.sizes[i] for i in todo) < VERIFY_INLINE_BYTES:
+            _check(pending, todo)
+        else:  # a task per thread, not per block: fewer hand-offs and wake-ups
+            tasks = [todo[i::self._verify_threads] for i in range(self._verify_threads)]
+            tasks = [task for task in tasks if task]
+            pending.remaining = len(tasks)
+            for task in tasks:
+                self._verifier.submit(self._verify, pending, task)
+        self._pending.append(pending)
+
+    def _verify(self, pending: _PendingPut, indices: list[int]) -> None:
+        """A verifier task: check some blocks of a put; the last task of a put wakes the loop."""
+        try:
+            _check(pending, indices)
+        except BaseException:
+            pending.failed = True
+            log.exception("internal error checking a put's blocks")
+        finally:
+            with self._done_lock:
+                pending.remaining -= 1
+                finished = pending.remaining == 0
+            if finished:
+                with suppress(BlockingIOError):  # the pipe is full of wake-ups already
+                    os.write(self._wake_fd, b"\0")
+
+    def _finish_puts(self) -> None:
+        """Store and answer the checked puts at the head of the queue, in arrival order."""
+        while self._pending and self._pending[0].remaining == 0:
+            pending = self._pending.popleft()
+            rid = pending.request.request_id
+            try:
+                if pending.failed:
+                    raise RuntimeError("a verifier task failed")
+                reply = encode_reply(rid, status=self._store_put(pending))
+            except Exception:  # a bug must cost one request, not the store
+                self._counters["internal_errors"] += 1
+                log.exception("internal error storing a put")
+                reply = encode_error(rid, ErrorCode.INTERNAL, "internal error")
+            self._reply(pending.identity, reply)
+
+    def _store_put(self, pending: _PendingPut) -> list[str]:
+        request = pending.request
         statuses = []
-        for key, size, checksum, frame in zip(request.keys, request.sizes, request.checksums,
-                                              blocks, strict=True):
+        for index, (key, size, checksum, frame) in enumerate(zip(
+                request.keys, request.sizes, request.checksums, pending.blocks, strict=True)):
             view = frame.buffer
+            valid = pending.valid[index]
             if view.nbytes != size:
                 status, counter = BlockStatus.SIZE, "put_size"
             elif self._store.get(key) is not None:  # already held: same key, same bytes
                 status, counter = BlockStatus.OK, "put_existing"
-            elif block_checksum(view, key) != checksum:
+            elif not (block_checksum(view, key) == checksum if valid is None else valid):
+                # (None: it was held when the put arrived and has gone since; check it now)
                 status, counter = BlockStatus.CORRUPT, "put_corrupt"
             elif self._store.insert(key, frame, checksum):
                 status, counter = BlockStatus.OK, "put_blocks"
@@ -265,3 +366,17 @@ class StoreServer:
             tracker = self._sock.send(block.view, more, copy=False, track=True)
             self._store.pin(block)
             self._in_flight.append((tracker, block))
+
+
+def _check(pending: _PendingPut, indices: list[int]) -> None:
+    request = pending.request
+    for index in indices:
+        key = request.keys[index]
+        pending.valid[index] = (block_checksum(pending.blocks[index].buffer, key)
+                                == request.checksums[index])
+
+
+def _drain(fd: int) -> None:
+    with suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
