@@ -9,9 +9,11 @@ setup:
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[bench]'
 
-# vLLM 0.32.0 keeps the CPU torch 2.13.0; its torchvision/torchaudio/torchcodec are CUDA builds
+# Tests: Debian's redis-server (the `redis` tests start their own clusters), vLLM 0.32.0 with
+# the CPU torch 2.13.0; its torchvision/torchaudio/torchcodec are CUDA builds
 # that break `import transformers` on a CPU machine, so they go.
 setup-test:
+	bash .ci/install-redis
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm==0.32.0
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
