@@ -9,7 +9,6 @@ a wrong password costs nothing but the remote tier.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
-import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
+from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
 
 from kvconnector.vllm import ConnectorOptions  # noqa: E402
 from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
@@ -28,8 +27,6 @@ from transfer.remote.redis_values import RedisAuth, redis_key  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
 BS = h.BLOCK_SIZE
-POISON = 0x5A
-MAX_STEPS = 200_000
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
@@ -59,26 +56,6 @@ def make_engine(model_dir: str, cluster: LocalRedisCluster, async_scheduling: bo
               "remote_lookup_deadline_s": 0.5, "remote_timeout_s": 2.0}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, extra_config=config))
-
-
-def make_prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50, 950) for _ in range(length)]
-
-
-def poison_gpu(engine: h.Engine) -> None:
-    for worker in engine.workers:
-        for view in worker.caches.values():
-            view.view(torch.uint8).fill_(POISON)
-
-
-def run_to_completion(engine: h.Engine, requests: dict[str, tuple[list[int], int]]) -> None:
-    for req_id, (prompt, max_tokens) in requests.items():
-        engine.add(req_id, prompt, max_tokens)
-    engine.run(max_steps=MAX_STEPS)
-    for req_id, (prompt, max_tokens) in requests.items():
-        assert engine.finished[req_id] == engine.expected_tokens(prompt, max_tokens), req_id
-    engine.assert_no_leaks()
 
 
 def block_keys(engine: h.Engine, prompt: list[int]) -> list[bytes]:

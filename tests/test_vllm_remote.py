@@ -9,7 +9,6 @@ lookup deadline: requests are served from the CPU tier or recomputed.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
 
 from kvconnector.vllm import (  # noqa: E402
     ConnectorOptions,
@@ -34,8 +33,7 @@ from transfer.remote.testing import StoreProcess  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 BS = h.BLOCK_SIZE
-POISON = 0x5A
-MAX_STEPS = 200_000
+MAX_STEPS = h.REMOTE_MAX_STEPS
 LOOKUP_DEADLINE_S = 0.2
 TIMEOUT_S = 1.0
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
@@ -73,29 +71,6 @@ def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: in
               "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, extra_config=config))
-
-
-def make_prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50, 950) for _ in range(length)]
-
-
-def poison_gpu(engine: h.Engine) -> None:
-    for worker in engine.workers:
-        for view in worker.caches.values():
-            view.view(torch.uint8).fill_(POISON)
-
-
-def run_to_completion(engine: h.Engine, requests: dict[str, tuple[list[int], int]]) -> None:
-    for req_id, (prompt, max_tokens) in requests.items():
-        if req_id not in engine.added:
-            engine.add(req_id, prompt, max_tokens)
-    # While a lookup is in flight vLLM skips the request: idle steps take ~0.1 ms each, so a
-    # lookup deadline spans thousands of them.
-    engine.run(max_steps=MAX_STEPS)
-    for req_id, (prompt, max_tokens) in requests.items():
-        assert engine.finished[req_id] == engine.expected_tokens(prompt, max_tokens), req_id
-    engine.assert_no_leaks()
 
 
 def store_stats(url: str) -> dict:

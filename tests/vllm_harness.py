@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -441,3 +442,33 @@ class HeldGate:
         event = self.hold.get(job_id)
         if event is not None:
             event.wait()
+
+
+# Shared by the remote-tier scenarios (tests/test_vllm_remote.py, tests/test_vllm_redis.py).
+POISON = 0x5A
+REMOTE_MAX_STEPS = 200_000
+
+
+def make_prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50, 950) for _ in range(length)]
+
+
+def poison_gpu(engine: Engine) -> None:
+    """Every byte of every worker's KV cache set to POISON, so a load that never lands shows."""
+    for worker in engine.workers:
+        for view in worker.caches.values():
+            view.view(torch.uint8).fill_(POISON)
+
+
+def run_to_completion(engine: Engine, requests: dict[str, tuple[list[int], int]]) -> None:
+    """Add the requests not added yet, run until all finish, check their tokens and leaks."""
+    for req_id, (prompt, max_tokens) in requests.items():
+        if req_id not in engine.added:
+            engine.add(req_id, prompt, max_tokens)
+    # While a lookup is in flight vLLM skips the request: idle steps take ~0.1 ms each, so a
+    # lookup deadline spans thousands of them.
+    engine.run(max_steps=REMOTE_MAX_STEPS)
+    for req_id, (prompt, max_tokens) in requests.items():
+        assert engine.finished[req_id] == engine.expected_tokens(prompt, max_tokens), req_id
+    engine.assert_no_leaks()

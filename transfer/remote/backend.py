@@ -161,6 +161,13 @@ class RemoteBackend(ABC):
             raise ValueError(f"slot {twice} appears twice: one slot cannot receive two blocks")
         return keys, slots
 
+    def check_not_pinned(self, slots: list[int]) -> None:
+        """ValueError if a get would land in a slot an earlier put still reads. On the
+        backend's own thread only: `pinned_slots` prunes state that thread owns."""
+        busy = self.pinned_slots.intersection(slots)
+        if busy:
+            raise ValueError(f"slots {sorted(busy)} are still being sent by an earlier put")
+
 
 def open_backend(url: str, credentials: Any, **options: Any) -> RemoteBackend:
     """The backend for `url`'s scheme; `options` are namespace, pool, timeout_s and the

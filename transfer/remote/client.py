@@ -115,9 +115,7 @@ class StoreClient(RemoteBackend):
             timeout_s: float | None = None) -> TransferResult:
         """Fetch `keys[i]` into pool slot `slots[i]`; a slot holds its block iff status is OK."""
         keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
-        busy = self.pinned_slots.intersection(slots)
-        if busy:
-            raise ValueError(f"slots {sorted(busy)} are still being sent by an earlier put")
+        self.check_not_pinned(slots)
         batches = []
         for indices in self._batch_ranges(len(keys)):
             rid = self._connection.next_request_id()

@@ -163,9 +163,7 @@ class RedisClusterBackend(RemoteBackend):
     def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
             timeout_s: float | None = None) -> TransferResult:
         keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
-        busy = self.pinned_slots.intersection(slots)
-        if busy:
-            raise ValueError(f"slots {sorted(busy)} are still being sent by an earlier put")
+        self.check_not_pinned(slots)
         rows, block_bytes = self._rows, self.block_bytes
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [_LATE] * len(keys)
