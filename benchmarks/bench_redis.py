@@ -52,6 +52,7 @@ import redis
 import torch
 
 from kvconnector.bench.redis_tier import RedisBenchmark
+from kvconnector.bench.report import cpu_model
 from transfer.keys import Namespace
 from transfer.remote.redis_backend import (
     DEFAULT_BATCH_BYTES,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "redis cluster tier vs redis-benchmark, loopback" if cluster else
                      "redis cluster tier vs redis-benchmark",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "processor": _cpu_model(),
+        "host": {"machine": platform.machine(), "processor": cpu_model(),
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "redis-py": redis.__version__, "redis-benchmark": _tool_version()},
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
@@ -251,16 +252,6 @@ def _tool_version() -> str:
                               text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 import zmq
 import zmq.auth
 
+from kvconnector.bench.report import cpu_model
 from transfer.keys import Namespace
 from transfer.remote.client import DEFAULT_BATCH_BYTES, DEFAULT_MAX_IN_FLIGHT, StoreClient
 from transfer.remote.security import Security
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "remote store vs raw pyzmq, loopback",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"machine": platform.machine(), "processor": _cpu_model(),
+        "host": {"machine": platform.machine(), "processor": cpu_model(),
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
@@ -273,16 +274,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -38,11 +38,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(autouse=True)
 def shut_engines_down() -> None:
     yield
-    for engine in list(h.Engine.live):
-        lookups = engine.connector._remote_lookups
-        if lookups is not None:
-            lookups.close()
-    h.Engine.shutdown_all()
+    h.shutdown_remote_engines()
 
 
 def block_bytes(tp: int) -> int:

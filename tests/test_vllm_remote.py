@@ -52,13 +52,8 @@ def store(tmp_path: Path) -> Iterator[StoreProcess]:
 
 @pytest.fixture(autouse=True)
 def shut_engines_down() -> Iterator[None]:
-    engines = h.Engine.live
     yield
-    for engine in list(engines):
-        lookups = engine.connector._remote_lookups
-        if lookups is not None:
-            lookups.close()
-    h.Engine.shutdown_all()
+    h.shutdown_remote_engines()
 
 
 def block_bytes(tp: int) -> int:

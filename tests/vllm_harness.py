@@ -449,6 +449,15 @@ POISON = 0x5A
 REMOTE_MAX_STEPS = 200_000
 
 
+def shutdown_remote_engines() -> None:
+    """Close the live engines' remote lookup clients, then shut the engines down."""
+    for engine in list(Engine.live):
+        lookups = engine.connector._remote_lookups
+        if lookups is not None:
+            lookups.close()
+    Engine.shutdown_all()
+
+
 def make_prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(50, 950) for _ in range(length)]

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvconnector.bench.presets import KV_DTYPES, PRESETS, build_cases
+from kvconnector.bench.report import cpu_model
 from kvconnector.bench.sizing import (
     BenchError,
     blocks_for_tokens,
@@ -148,13 +149,7 @@ def _budget(args: argparse.Namespace, device: torch.device) -> int:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} (CPU only)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} (CPU only)"
+    return f"{cpu_model()} (CPU only)"
 
 
 def _command(args: argparse.Namespace, budget: str) -> str:

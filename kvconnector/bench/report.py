@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,17 @@ from typing import Any
 from kvconnector.bench.sizing import format_bytes
 
 LAYOUT_LABELS = {"block_major": "block-major", "layer_major": "layer-major"}
+
+
+def cpu_model() -> str:
+    """The host CPU's model name, for a run's record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _gb(rate: dict[str, Any]) -> str:
