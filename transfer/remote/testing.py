@@ -103,9 +103,16 @@ class RawPeer:
         self._sock.connect(url)
 
     def request(self, frames: list[bytes], timeout_s: float = 10.0) -> list[bytes] | None:
-        """Send one multipart message; the reply's frames, or None if none came in time."""
-        self._sock.send_multipart(frames)
-        if not self._sock.poll(int(timeout_s * 1000)):
+        """Send one multipart message; the reply's frames, or None if none came in time.
+
+        None also when the message could not even be queued: a DEALER whose handshake was
+        refused has no peer left, and a plain send would wait for one forever.
+        """
+        deadline_ms = int(timeout_s * 1000)
+        if not self._sock.poll(deadline_ms, zmq.POLLOUT):
+            return None
+        self._sock.send_multipart(frames, zmq.NOBLOCK)
+        if not self._sock.poll(deadline_ms):
             return None
         return self._sock.recv_multipart()
 
