@@ -39,14 +39,22 @@ import zmq.auth
 
 from kvconnector.bench.report import cpu_model
 from transfer.keys import Namespace
-from transfer.remote.client import DEFAULT_BATCH_BYTES, DEFAULT_MAX_IN_FLIGHT, StoreClient
+from transfer.remote.client import (
+    DEFAULT_GET_BATCH_BYTES,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_PUT_BATCH_BYTES,
+    StoreClient,
+    blocks_per_batch,
+)
 from transfer.remote.security import Security
 from transfer.remote.testing import StoreProcess
 
 BLOCK = 2 << 20
 NS = Namespace("bench-remote", "bfloat16", 16, "2MiB blocks")
 CLIENT_COUNTS = (1, 4)
-BATCH_BLOCKS = DEFAULT_BATCH_BYTES // BLOCK  # the store client's batching, copied by the baseline
+# the store client's batching, copied by the baseline
+PUT_BATCH_BLOCKS = blocks_per_batch(DEFAULT_PUT_BATCH_BYTES, BLOCK)
+GET_BATCH_BLOCKS = blocks_per_batch(DEFAULT_GET_BATCH_BYTES, BLOCK)
 TIMEOUT_S = 120.0
 # Unmeasured trials first: connections, handshakes, and a store that is full and evicting, as a
 # cache is in steady state. Until then the store's first touch of fresh memory (page faults on
@@ -118,7 +126,7 @@ class RawClient:
 
     def put(self) -> None:
         trackers, in_flight = [], 0
-        for batch in self._batches():
+        for batch in self._batches(PUT_BATCH_BLOCKS):
             if in_flight == DEFAULT_MAX_IN_FLIGHT:
                 self.sock.recv()
                 in_flight -= 1
@@ -134,7 +142,7 @@ class RawClient:
 
     def get(self) -> None:
         pending: list[np.ndarray] = []
-        for batch in self._batches():
+        for batch in self._batches(GET_BATCH_BLOCKS):
             if len(pending) == DEFAULT_MAX_IN_FLIGHT:
                 self._receive_into(pending.pop(0))
             self.sock.send(b"get:%d" % len(batch))
@@ -142,8 +150,8 @@ class RawClient:
         for batch in pending:
             self._receive_into(batch)
 
-    def _batches(self) -> list[np.ndarray]:
-        return [self.rows[s:s + BATCH_BLOCKS] for s in range(0, len(self.rows), BATCH_BLOCKS)]
+    def _batches(self, size: int) -> list[np.ndarray]:
+        return [self.rows[s:s + size] for s in range(0, len(self.rows), size)]
 
     def _receive_into(self, batch: np.ndarray) -> None:
         self.sock.recv()
@@ -266,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "block_bytes": BLOCK, "batch_blocks": BATCH_BLOCKS, "in_flight": DEFAULT_MAX_IN_FLIGHT,
+        "block_bytes": BLOCK, "put_batch_blocks": PUT_BATCH_BLOCKS,
+        "get_batch_blocks": GET_BATCH_BLOCKS, "in_flight": DEFAULT_MAX_IN_FLIGHT,
         "trials": args.trials, "warmup_trials": WARMUP_TRIALS,
         "seconds": round(time.monotonic() - started, 1), "rows": rows,
     }

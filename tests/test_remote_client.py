@@ -227,7 +227,7 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
     keys = NS.keys([b"p%d" % i for i in range(512)])
     try:
         with StoreClient(stalled.last_endpoint.decode(), NONE, namespace=NS, pool=pool,
-                         timeout_s=0.5, batch_bytes=32 * BLOCK, max_in_flight=16) as client:
+                         timeout_s=0.5, put_batch_bytes=32 * BLOCK, max_in_flight=16) as client:
             result = client.put(keys, range(512))
             assert result.statuses == (BlockStatus.FAILED,) * 512
             assert unsent_at_close[0] > 0  # zmq still held frames when the put gave up

@@ -24,7 +24,8 @@ NONE = Security.none()
 NS = Namespace("model-a", "bfloat16", 16, "BLNHC")
 KEYS = NS.keys([b"fault-%d" % i for i in range(COUNT)])
 POISON = 0xA5
-OPTIONS = {"namespace": NS, "timeout_s": 3.0, "batch_bytes": 4 * BLOCK, "max_in_flight": 2}
+OPTIONS = {"namespace": NS, "timeout_s": 3.0, "put_batch_bytes": 4 * BLOCK,
+           "get_batch_bytes": 4 * BLOCK, "max_in_flight": 2}
 
 
 @pytest.fixture

@@ -106,12 +106,12 @@ def test_two_clients_share_a_prefix(store: StoreProcess) -> None:
 def test_pipelined_batches_and_chunked_key_ops(store: StoreProcess) -> None:
     keys = NS_A.keys([b"pipelined-%d" % i for i in range(40)])
     written = _pool(40, seed=2)
-    with StoreClient(store.url, NONE, namespace=NS_A, pool=written, batch_bytes=3 * BLOCK,
+    with StoreClient(store.url, NONE, namespace=NS_A, pool=written, put_batch_bytes=3 * BLOCK,
                      max_in_flight=4) as client:
         assert client.put(keys, range(40)).all_ok  # 14 requests, 4 in flight
         target = _poisoned(40)
         with StoreClient(store.url, NONE, namespace=NS_A, pool=target,
-                         batch_bytes=3 * BLOCK) as reader:
+                         get_batch_bytes=3 * BLOCK) as reader:
             assert reader.get(keys, list(reversed(range(40)))).all_ok
         assert torch.equal(target.flip(0), written)
     small = [NS_A.key(b"small-%d" % i) for i in range(1100)]
@@ -130,9 +130,9 @@ def test_concurrent_clients_each_get_their_own_bytes(store: StoreProcess) -> Non
         written = _pool(12, seed=100 + index)
         target = _poisoned(12)
         with StoreClient(store.url, NONE, namespace=NS_A, pool=written,
-                         batch_bytes=2 * BLOCK) as writer, \
+                         put_batch_bytes=2 * BLOCK) as writer, \
                 StoreClient(store.url, NONE, namespace=NS_A, pool=target,
-                            batch_bytes=3 * BLOCK) as reader:
+                            get_batch_bytes=3 * BLOCK) as reader:
             for _ in range(3):
                 outcomes[index].append(writer.put(keys, range(12)).all_ok)
                 target.fill_(POISON)

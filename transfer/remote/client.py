@@ -46,8 +46,13 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_BATCH_BYTES = 32 << 20
-DEFAULT_MAX_IN_FLIGHT = 4
+# A put checksums a request's blocks just before zmq sends them: small put requests keep
+# those bytes in cache for the send (measured on 2 cores: ~20% less CPU per byte for hashing
+# and the send copy than 32 MiB requests). Gets check each block right after its recv_into,
+# so their requests can be larger, which spreads the store's per-request work.
+DEFAULT_PUT_BATCH_BYTES = 4 << 20
+DEFAULT_GET_BATCH_BYTES = 16 << 20
+DEFAULT_MAX_IN_FLIGHT = 8
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
 _STORE_STATUS_TEXT = {
     BlockStatus.MISSING: "the store does not hold this key",
@@ -66,16 +71,20 @@ class StoreClient(RemoteBackend):
 
     def __init__(self, url: str, security: Security, *,
                  namespace: Namespace | bytes | None = None, pool: torch.Tensor | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 put_batch_bytes: int = DEFAULT_PUT_BATCH_BYTES,
+                 get_batch_bytes: int = DEFAULT_GET_BATCH_BYTES,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
         tcp_host(url)
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
         super().__init__(url, namespace=namespace, pool=pool, timeout_s=timeout_s)
-        for name, value in (("batch_bytes", batch_bytes), ("max_in_flight", max_in_flight)):
+        for name, value in (("put_batch_bytes", put_batch_bytes),
+                            ("get_batch_bytes", get_batch_bytes), ("max_in_flight", max_in_flight)):
             check_positive(name, value)
         block_bytes = self.block_bytes
-        self._blocks_per_batch = max(1, min(BATCH_BLOCKS, batch_bytes // max(1, block_bytes)))
+        self._put_batch = blocks_per_batch(put_batch_bytes, block_bytes)
+        self._get_batch = blocks_per_batch(get_batch_bytes, block_bytes)
         self._sending: dict[int, list[zmq.MessageTracker]] = {}
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         self._connection = Connection(url, security, max_frame_bytes=largest_frame,
@@ -94,7 +103,7 @@ class StoreClient(RemoteBackend):
         keys, slots = self.check_transfer(keys, slots, distinct_slots=False)
         rows = [self._rows[slot] for slot in slots]
         batches = []
-        for indices in self._batch_ranges(len(keys)):
+        for indices in _batch_ranges(len(keys), self._put_batch):
             rid = self._connection.next_request_id()
             part = slice(indices.start, indices.stop)
             header = partial(self._put_header, rid, keys[part], rows[part])
@@ -117,7 +126,7 @@ class StoreClient(RemoteBackend):
         keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
         self.check_not_pinned(slots)
         batches = []
-        for indices in self._batch_ranges(len(keys)):
+        for indices in _batch_ranges(len(keys), self._get_batch):
             rid = self._connection.next_request_id()
             header = encode_request(rid, Op.GET, self.namespace, keys[indices.start:indices.stop])
             batches.append(Exchange(rid, header, indices))
@@ -186,10 +195,6 @@ class StoreClient(RemoteBackend):
                                   timeout_s)
         return answers
 
-    def _batch_ranges(self, total: int) -> list[range]:
-        step = self._blocks_per_batch
-        return [range(start, min(start + step, total)) for start in range(0, total, step)]
-
     def _call(self, op: Op, keys: list[bytes] | None, parse: Callable[[Reply], Any],
               timeout_s: float | None) -> Any:
         rid = self._connection.next_request_id()
@@ -247,3 +252,12 @@ def _field(reply: Reply, name: str, kind: type) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ProtocolError(f"reply {name} must be a {kind.__name__}, got {value!r:.200}")
     return value
+
+
+def blocks_per_batch(batch_bytes: int, block_bytes: int) -> int:
+    """Blocks per request: as many as fit in `batch_bytes`, at least one."""
+    return max(1, min(BATCH_BLOCKS, batch_bytes // max(1, block_bytes)))
+
+
+def _batch_ranges(total: int, step: int) -> list[range]:
+    return [range(start, min(start + step, total)) for start in range(0, total, step)]
