@@ -105,12 +105,12 @@ def test_get_reports_misses_per_block_and_lookup_stops_at_the_first(
 
 
 def test_tampered_values_never_reach_a_slot(redis_cluster: LocalRedisCluster) -> None:
-    source, target = pool(6, seed=3), torch.full((6, BLOCK), POISON, dtype=torch.uint8)
-    names = keys(6, start=200)
+    source, target = pool(8, seed=3), torch.full((8, BLOCK), POISON, dtype=torch.uint8)
+    names = keys(8, start=200)
     admin = redis_cluster.admin()
     with backend(redis_cluster, source) as writer, \
             backend(redis_cluster, source, namespace=OTHER_NS) as other:
-        assert writer.put(names, range(6)).all_ok
+        assert writer.put(names, range(8)).all_ok
         foreign = keys(1, start=200, namespace=OTHER_NS)
         assert other.put(foreign, [1]).all_ok
         admin.setrange(redis_key(names[0]), HEADER_BYTES + 1000, b"\x00\x01")  # flipped bytes
@@ -118,13 +118,19 @@ def test_tampered_values_never_reach_a_slot(redis_cluster: LocalRedisCluster) ->
         admin.set(redis_key(names[2]), admin.get(redis_key(names[2]))[:-100])  # truncated
         admin.set(redis_key(names[3]), admin.get(redis_key(names[4])))  # another key's value
         admin.set(redis_key(names[4]), b"not a block")
+        admin.append(redis_key(names[5]), b"x" * 5000)  # longer than any block value
+        admin.delete(redis_key(names[6]))
+        admin.rpush(redis_key(names[6]), b"not a string")
         other.delete(foreign)
     with backend(redis_cluster, target) as reader:
-        got = reader.get(names, range(6))
+        got = reader.get(names, range(8))
         assert got.statuses == (BlockStatus.CORRUPT, BlockStatus.CORRUPT, BlockStatus.SIZE,
-                                BlockStatus.CORRUPT, BlockStatus.CORRUPT, BlockStatus.OK)
+                                BlockStatus.CORRUPT, BlockStatus.CORRUPT, BlockStatus.SIZE,
+                                BlockStatus.FAILED, BlockStatus.OK)
         assert "checksum" in got.errors[0] and "namespace" in got.errors[1]
         assert "checksum" in got.errors[3] and "header" in got.errors[4]
+        assert f"{HEADER_BYTES + BLOCK + 5000} B" in got.errors[5]
+        assert "WRONGTYPE" in got.errors[6]
         assert_slots(target, source, got.ok)
         reader.delete(names)
     admin.close()

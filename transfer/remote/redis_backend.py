@@ -2,9 +2,10 @@
 
 Each block is one value (transfer.remote.redis_values: header + bytes) under `kvc:` + its key.
 A batch is split by the node that owns each key's hash slot, and each node's share runs as
-non-transactional pipelines of at most `batch_bytes` on a small thread pool, so the masters
-work in parallel and a dead or slow node fails only its own blocks: its blocks get FAILED
-(load errors; misses for a lookup), the others complete. No call outlives its timeout: node
+pipelines of at most `batch_bytes` (transfer.remote.redis_wire: values never copied into Python
+objects) on a small thread pool, so the masters work in parallel and a dead or slow node fails
+only its own blocks: its blocks get FAILED (load errors; misses for a lookup), the others
+complete. No call outlives its timeout: node
 work still running at the deadline is abandoned, and a gate stops it from writing into a slot
 afterwards. Redirections (a slot moved, a failover) are retried once through the cluster
 client, which follows MOVED/ASK, and the slot map is refreshed on the next call.
@@ -27,7 +28,6 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import (
     AskError,
     MovedError,
@@ -49,7 +49,9 @@ from transfer.remote.redis_values import (
     decode_value,
     encode_value,
     redis_key,
+    value_header,
 )
+from transfer.remote.redis_wire import ValueTooLarge, get_values, set_values
 
 if TYPE_CHECKING:
     import torch
@@ -66,11 +68,6 @@ _REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
-
-# redis-py packs commands with hiredis when hiredis is installed (it is, for its fast reply
-# parser), and that packer copies each 2 MB value into one new buffer at ~1.6 GB/s; redis-py's
-# Python packer sends large values as they are. Node connections get the Python one.
-_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 # A node's share of a call: (its client, the indices of the keys it owns)
 _Share = tuple[redis.Redis, list[int]]
@@ -130,6 +127,7 @@ class RedisClusterBackend(RemoteBackend):
         self._connecting: Future[Any] | None = None  # making the client or re-reading the map
         self._next_refresh = 0.0  # ... at most once a second while a node stays down
         self._late_puts: list[tuple[Future[Any], list[int]]] = []
+        self._buffers = threading.local()  # each pool thread's GET buffer (one value)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -144,10 +142,9 @@ class RedisClusterBackend(RemoteBackend):
         errors = [_LATE] * len(keys)
 
         def send(client: redis.Redis, indices: list[int], gate: _Gate) -> None:
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                pipe.set(redis_key(keys[i]), encode_value(keys[i], rows[slots[i]]))
-            for i, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
+            values = [(value_header(keys[i], rows[slots[i]]), rows[slots[i]]) for i in indices]
+            replies = set_values(client, [redis_key(keys[i]) for i in indices], values)
+            for i, reply in zip(indices, replies, strict=True):
                 statuses[i], errors[i] = _put_status(reply)
 
         def resend(i: int, cluster: RedisCluster, gate: _Gate) -> None:
@@ -169,6 +166,9 @@ class RedisClusterBackend(RemoteBackend):
         errors = [_LATE] * len(keys)
 
         def land(i: int, reply: Any, gate: _Gate) -> None:
+            if isinstance(reply, ValueTooLarge):
+                statuses[i], errors[i] = BlockStatus.SIZE, str(reply)
+                return
             if isinstance(reply, Exception):
                 statuses[i], errors[i] = BlockStatus.FAILED, _describe(reply)
                 return
@@ -188,10 +188,8 @@ class RedisClusterBackend(RemoteBackend):
                 statuses[i], errors[i] = status, error
 
         def fetch(client: redis.Redis, indices: list[int], gate: _Gate) -> None:
-            pipe = client.pipeline(transaction=False)
-            for i in indices:
-                pipe.get(redis_key(keys[i]))
-            for i, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
+            replies = get_values(client, [redis_key(keys[i]) for i in indices], self._buffer())
+            for i, reply in zip(indices, replies, strict=True):
                 if isinstance(reply, _REDIRECTS):
                     statuses[i], errors[i] = BlockStatus.FAILED, _describe(reply)
                 else:
@@ -223,7 +221,7 @@ class RedisClusterBackend(RemoteBackend):
         stats = {}
         for node in cluster.get_primaries():
             try:
-                info = _node_client(cluster, node).info()
+                info = cluster.get_redis_connection(node).info()
             except RedisError as exc:
                 stats[node.name] = {"error": _describe(exc)}
                 continue
@@ -236,7 +234,7 @@ class RedisClusterBackend(RemoteBackend):
         cluster = self._connect(time.monotonic() + self.call_timeout(timeout_s))
         for node in cluster.get_primaries():
             try:
-                _node_client(cluster, node).ping()
+                cluster.get_redis_connection(node).ping()
             except RedisError as exc:
                 raise StoreError(f"Redis node {node.name}: {_describe(exc)}") from None
         return VALUE_VERSION
@@ -246,6 +244,13 @@ class RedisClusterBackend(RemoteBackend):
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None
+
+    def _buffer(self) -> memoryview:
+        """This thread's buffer for one value, reused by every get it runs."""
+        buffer = getattr(self._buffers, "value", None)
+        if buffer is None:
+            buffer = self._buffers.value = memoryview(bytearray(HEADER_BYTES + self.block_bytes))
+        return buffer
 
     def _connect(self, deadline: float) -> RedisCluster:
         """The cluster client. It is made (and the slot map read) on a pool thread, waited for
@@ -302,7 +307,7 @@ class RedisClusterBackend(RemoteBackend):
             by_node.setdefault(node.name, (node, []))[1].append(i)
         per_node = []
         for node, indices in by_node.values():
-            client = _node_client(cluster, node)
+            client = cluster.get_redis_connection(node)
             per_node.append([(client, indices[s:s + per_pipeline])
                              for s in range(0, len(indices), per_pipeline)])
         # Round-robin over the nodes, so the pool's threads load every master at once.
@@ -373,17 +378,6 @@ class RedisClusterBackend(RemoteBackend):
 
 
 _REDIRECT_TEXT = "redirected: "
-
-
-def _node_client(cluster: RedisCluster, node: ClusterNode) -> redis.Redis:
-    client = cluster.get_redis_connection(node)
-    kwargs = client.connection_pool.connection_kwargs
-    if kwargs.get("command_packer") is not _PACKER:
-        kwargs["command_packer"] = _PACKER
-        # Connections made before (the slot-map read's) keep their packer: drop them.
-        client.connection_pool.disconnect(inuse_connections=False)
-        client.connection_pool.reset()
-    return client
 
 
 def _put_status(reply: Any) -> tuple[BlockStatus, str]:

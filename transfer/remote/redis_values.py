@@ -38,11 +38,15 @@ def redis_key(key: bytes) -> bytes:
     return KEY_PREFIX + key
 
 
+def value_header(key: bytes, row: np.ndarray) -> bytes:
+    """The header stored before the slot's bytes (the value is header + bytes)."""
+    return _HEADER.pack(VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, key[:DIGEST_BYTES],
+                        row.nbytes, block_checksum(row, key))
+
+
 def encode_value(key: bytes, row: np.ndarray) -> bytes:
-    """Header + the slot's bytes: the one copy a put makes (redis-py sends it as is)."""
-    header = _HEADER.pack(VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, key[:DIGEST_BYTES],
-                          row.nbytes, block_checksum(row, key))
-    return b"".join((header, memoryview(row)))
+    """Header + the slot's bytes as one buffer (a copy; puts send the two parts as they are)."""
+    return b"".join((value_header(key, row), memoryview(row)))
 
 
 def decode_value(value: bytes, key: bytes, block_bytes: int) -> tuple[BlockStatus, str]:

@@ -1,0 +1,115 @@
+"""Block values over a node connection (transfer/remote/redis_wire.py): against a real cluster
+node, and the reply reader fed a byte at a time (which no real server can be made to do)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+pytest.importorskip("redis")
+
+from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
+from redis.exceptions import MovedError, ResponseError  # noqa: E402
+
+from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis_wire import (  # noqa: E402
+    ValueTooLarge,
+    _ReplyReader,
+    get_values,
+    set_values,
+)
+
+BUFFER = 200 << 10
+SIZES = (0, 1, 5000, 100 << 10, BUFFER)  # empty, tiny, and past the 64 KiB line buffer
+
+
+def tagged(name: str) -> bytes:
+    return b"kvc:{wire}" + name.encode()  # one hash slot: one node, one pipeline
+
+
+@pytest.mark.redis
+def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
+        redis_cluster: LocalRedisCluster) -> None:
+    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")))
+    heads = [os.urandom(40) for _ in SIZES]
+    bodies = [memoryview(os.urandom(size))[: max(0, size - 40)] for size in SIZES]
+    names = [tagged(f"v{size}") for size in SIZES]
+    assert set_values(node, names, list(zip(heads, bodies, strict=True))) == [True] * len(SIZES)
+    for name, head, body in zip(names, heads, bodies, strict=True):
+        assert node.get(name) == head + bytes(body)
+
+    node.rpush(tagged("a-list"), b"x")
+    node.set(tagged("too-big"), os.urandom(BUFFER + 1))
+    connection_id = node.client_id()
+    asked = [names[0], tagged("missing"), names[1], tagged("a-list"), tagged("too-big"),
+             *names[2:]]
+    buffer = memoryview(bytearray(BUFFER))
+    got = []
+    for reply in get_values(node, asked, buffer):
+        got.append(bytes(reply) if isinstance(reply, memoryview) else reply)
+    assert got[0] == heads[0] + bytes(bodies[0]) and got[2] == heads[1] + bytes(bodies[1])
+    assert got[1] is None
+    assert isinstance(got[3], ResponseError) and "WRONGTYPE" in str(got[3])
+    assert isinstance(got[4], ValueTooLarge) and got[4].size == BUFFER + 1
+    assert got[5:] == [h + bytes(b) for h, b in zip(heads[2:], bodies[2:], strict=True)]
+    assert node.client_id() == connection_id  # the same connection, back in the pool in step
+    node.delete(*names, tagged("a-list"), tagged("too-big"))
+    node.close()
+
+
+@pytest.mark.redis
+def test_a_read_left_halfway_drops_its_connection(redis_cluster: LocalRedisCluster) -> None:
+    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")))
+    names = [tagged(f"half{i}") for i in range(3)]
+    values = [os.urandom(100 << 10) for _ in names]
+    assert set_values(node, names, [(b"", v) for v in values]) == [True] * 3
+    connection_id = node.client_id()
+    buffer = memoryview(bytearray(BUFFER))
+    replies = get_values(node, names, buffer)
+    assert bytes(next(replies)) == values[0]
+    replies.close()  # two replies still unread: that connection must never be reused
+    assert node.client_id() != connection_id
+    assert [bytes(r) for r in get_values(node, names, buffer)] == values
+    node.delete(*names)
+    node.close()
+
+
+def test_reader_takes_replies_split_anywhere() -> None:
+    payload = os.urandom(100 << 10)
+    stream = (b"$5\r\nhello\r\n" + b"_\r\n" + b"$-1\r\n" + b"-MOVED 3999 127.0.0.1:6381\r\n"
+              + b"!21\r\nSYNTAX invalid syntax\r\n" + b"$%d\r\n%s\r\n" % (len(payload), payload)
+              + b"$0\r\n\r\n" + b":1\r\n")
+    ours, theirs = socket.socketpair()
+
+    def dribble() -> None:  # a byte at a time around every line, the payload in odd pieces
+        head = stream.index(payload)
+        for i in range(head):
+            theirs.sendall(stream[i:i + 1])
+        for start in range(head, head + len(payload), 7777):
+            theirs.sendall(stream[start:min(start + 7777, head + len(payload))])
+        for i in range(head + len(payload), len(stream)):
+            theirs.sendall(stream[i:i + 1])
+
+    writer = threading.Thread(target=dribble)
+    writer.start()
+    ours.settimeout(10)
+    reader = _ReplyReader(ours)
+    buffer = memoryview(bytearray(BUFFER))
+    assert bytes(reader.bulk(buffer)) == b"hello"
+    assert reader.bulk(buffer) is None and reader.bulk(buffer) is None
+    moved = reader.bulk(buffer)
+    assert isinstance(moved, MovedError) and moved.slot_id == 3999
+    error = reader.bulk(buffer)
+    assert isinstance(error, ResponseError) and "invalid syntax" in str(error)
+    assert bytes(reader.bulk(buffer)) == payload
+    assert bytes(reader.bulk(buffer)) == b""
+    with pytest.raises(RedisConnectionError, match="unexpected reply to GET: b':1'"):
+        reader.bulk(buffer)
+    writer.join()
+    theirs.close()
+    with pytest.raises(RedisConnectionError, match="closed the connection"):
+        reader.bulk(buffer)
+    ours.close()
