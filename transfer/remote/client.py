@@ -4,8 +4,9 @@ The pool is a 2-D uint8 CPU tensor (num_slots, block_bytes), e.g. `KVBuffer.bloc
 rows must be contiguous (the row stride may exceed block_bytes). A put sends each slot straight
 from pool memory as a zero-copy zmq frame; the slot stays pinned (`pinned_slots`) until zmq
 reports the frame sent. A get receives each block with recv_into straight into its slot and
-checks the frame size and the checksum: a slot is valid only where its status is OK, whatever
-happened (timeout, lost connection, corrupt or short frame).
+checks the frame size, and the checksum on a small thread pool while the next block arrives: a
+slot is valid only where its status is OK, whatever happened (timeout, lost connection, corrupt
+or short frame).
 
 On a timeout or a lost connection the client drops its socket and connects afresh, so nothing
 late lands in a slot the caller has taken back, and a restarted store is found again.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,7 @@ DEFAULT_PUT_BATCH_BYTES = 4 << 20
 DEFAULT_GET_BATCH_BYTES = 16 << 20
 DEFAULT_MAX_IN_FLIGHT = 8
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
+CHECK_THREADS = 2
 _STORE_STATUS_TEXT = {
     BlockStatus.MISSING: "the store does not hold this key",
     BlockStatus.CORRUPT: "the store found the bytes do not match their checksum",
@@ -89,6 +92,9 @@ class StoreClient(RemoteBackend):
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         self._connection = Connection(url, security, max_frame_bytes=largest_frame,
                                       max_in_flight=int(max_in_flight))
+        # A get checks each block's checksum here while the next one is received: on the
+        # calling thread the check would stall the receiving (xxhash releases the GIL).
+        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvconnector-check")
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -132,19 +138,33 @@ class StoreClient(RemoteBackend):
             batches.append(Exchange(rid, header, indices))
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [""] * len(keys)
+        checks: list[tuple[int, int, Future[int]]] = []
 
         def complete(batch: Exchange, reply: Reply) -> None:
             n = len(batch.indices)
             wire = reply_statuses(reply, n)
             sizes, sums = reply_uints(reply, "sizes", n), reply_uints(reply, "sums", n)
             for i, status, size, checksum in zip(batch.indices, wire, sizes, sums, strict=True):
-                if status is BlockStatus.OK:
-                    statuses[i], errors[i] = self._receive_block(keys[i], self._rows[slots[i]],
-                                                                 size, checksum)
-                else:
+                if status is not BlockStatus.OK:
                     statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
+                    continue
+                row = self._rows[slots[i]]
+                status, errors[i] = self._receive_block(row, size)
+                if status is BlockStatus.OK:  # OK only once its checksum matches, below
+                    checks.append((i, checksum, self._checker.submit(block_checksum, row,
+                                                                     keys[i])))
+                else:
+                    statuses[i] = status
 
-        self._exchange(batches, complete, timeout_s)
+        try:
+            self._exchange(batches, complete, timeout_s)
+        finally:  # never return while a checker still reads a slot the caller gets back
+            for i, checksum, computed in checks:
+                if computed.result() == checksum:
+                    statuses[i] = BlockStatus.OK
+                else:
+                    errors[i] = "the bytes received do not match their checksum"
+                    statuses[i] = BlockStatus.CORRUPT
         return _result(batches, statuses, errors, ())
 
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
@@ -179,6 +199,7 @@ class StoreClient(RemoteBackend):
     def close(self) -> None:
         """Drop the connection; frames not yet sent are discarded."""
         self._connection.close()
+        self._checker.shutdown(wait=True)
 
     def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
         sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
@@ -209,8 +230,7 @@ class StoreClient(RemoteBackend):
                   timeout_s: float | None) -> None:
         self._connection.exchange(requests, complete, self.call_timeout(timeout_s))
 
-    def _receive_block(self, key: bytes, row: np.ndarray, size: int,
-                       checksum: int) -> tuple[BlockStatus, str]:
+    def _receive_block(self, row: np.ndarray, size: int) -> tuple[BlockStatus, str]:
         connection = self._connection
         if not connection.more_frames():
             return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
@@ -221,8 +241,6 @@ class StoreClient(RemoteBackend):
         received = connection.recv_into(row)  # straight into the slot; the frame's full size
         if received != size:
             return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
-        if block_checksum(row, key) != checksum:
-            return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
         return BlockStatus.OK, ""
 
     def _wait_sent(self, requests: list[Exchange], slots: list[int],
