@@ -54,11 +54,9 @@ _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 # Puts carrying at least this many bytes are checked on the worker threads, one task per thread;
 # smaller ones inline, where hashing them costs less than a thread hop.
 VERIFY_INLINE_BYTES = 1 << 20
-# Up to four check several clients' puts at once where cores are spare; on 2 cores (the zmq IO
-# threads and the clients busy too) every hand-off costs more than it overlaps: check inline
-# (measured, 4 clients of 2 MiB puts in 4 MiB requests: 0.69-0.75 of raw pyzmq threaded,
-# 0.77-0.85 inline).
-DEFAULT_VERIFY_THREADS = max(0, min(4, (os.cpu_count() or 1) - 2))
+# two halve the wait for a put's last checks even on 2 cores (zmq's IO threads are idle by then);
+# four check several clients' puts at once
+DEFAULT_VERIFY_THREADS = max(2, min(4, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(eq=False)
