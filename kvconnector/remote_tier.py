@@ -174,9 +174,9 @@ class RemoteFetcher:
         return self._putter.put(self.rekey(keys), slots, deadline_s=self.timeout_s)
 
     def pinned_slots(self) -> frozenset[int]:
-        """Slots zmq may still read for a put that timed out (rare). Read from the worker
-        thread while the client thread may update the set: a stale answer only delays a
-        report by a poll."""
+        """Slots the transport may still read for a put that timed out (rare). Asked from the
+        worker thread while the client thread adds to the set (both backends lock it): a slot
+        pinned a moment after this answer is in the next one."""
         return self._putter._client.pinned_slots
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ runs one on a background thread and returns futures.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,6 +90,7 @@ class StoreClient(RemoteBackend):
         self._put_batch = blocks_per_batch(put_batch_bytes, block_bytes)
         self._get_batch = blocks_per_batch(get_batch_bytes, block_bytes)
         self._sending: dict[int, list[zmq.MessageTracker]] = {}
+        self._sending_lock = threading.Lock()  # pinned_slots may be asked from another thread
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         self._connection = Connection(url, security, max_frame_bytes=largest_frame,
                                       max_in_flight=int(max_in_flight))
@@ -99,9 +101,10 @@ class StoreClient(RemoteBackend):
     @property
     def pinned_slots(self) -> frozenset[int]:
         """Slots an earlier put still lends to zmq: don't overwrite them yet."""
-        self._sending = {slot: trackers for slot, trackers in self._sending.items()
-                         if not all(t.done for t in trackers)}
-        return frozenset(self._sending)
+        with self._sending_lock:
+            self._sending = {slot: trackers for slot, trackers in self._sending.items()
+                             if not all(t.done for t in trackers)}
+            return frozenset(self._sending)
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int], *,
             timeout_s: float | None = None) -> TransferResult:
@@ -252,7 +255,8 @@ class StoreClient(RemoteBackend):
                 try:
                     tracker.wait(max(0.0, deadline - time.monotonic()))
                 except zmq.NotDone:
-                    self._sending.setdefault(slots[index], []).append(tracker)
+                    with self._sending_lock:
+                        self._sending.setdefault(slots[index], []).append(tracker)
         return tuple(sorted(self.pinned_slots.intersection(slots)))
 
 

@@ -128,12 +128,14 @@ class RedisClusterBackend(RemoteBackend):
         self._connecting: Future[Any] | None = None  # making the client or re-reading the map
         self._next_refresh = 0.0  # ... at most once a second while a node stays down
         self._late_puts: list[tuple[Future[Any], list[int]]] = []
+        self._late_lock = threading.Lock()  # pinned_slots may be asked from another thread
         self._buffers = threading.local()  # each pool thread's GET buffer (one value)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
-        self._late_puts = [(f, slots) for f, slots in self._late_puts if not f.done()]
-        return frozenset(slot for _, slots in self._late_puts for slot in slots)
+        with self._late_lock:
+            self._late_puts = [(f, slots) for f, slots in self._late_puts if not f.done()]
+            return frozenset(slot for _, slots in self._late_puts for slot in slots)
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int], *,
             timeout_s: float | None = None) -> TransferResult:
@@ -155,7 +157,8 @@ class RedisClusterBackend(RemoteBackend):
         late = self._run(keys, self._blocks_per_pipeline, send, resend, statuses, errors,
                          timeout_s)
         pinned = sorted({slots[i] for future, indices in late for i in indices})
-        self._late_puts += [(f, [slots[i] for i in indices]) for f, indices in late]
+        with self._late_lock:
+            self._late_puts += [(f, [slots[i] for i in indices]) for f, indices in late]
         return _result(statuses, errors, tuple(pinned))
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
