@@ -27,7 +27,7 @@ both. GB/s = values per second x 2 MiB (both sides move 2 MiB + 40 B per value);
 medians over the trials, the ratio the median of each of our trials against the baseline run next
 to it. All after warm-up trials.
 
-    python benchmarks/bench_redis.py [--json PATH] [--trials 5] [--blocks 512]
+    python benchmarks/bench_redis.py [--json PATH] [--trials 9] [--blocks 512]
         [--url redis://USER@H:P,... --user USER --password-file FILE]
         [--batch-bytes N] [--workers N]
 """
@@ -182,7 +182,7 @@ def run_clients(url: str, auth: RedisAuth, tool: RedisBenchmark, clients: int, b
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--trials", type=int, default=5, help="measured trials per figure")
+    parser.add_argument("--trials", type=int, default=9, help="measured trials per figure")
     parser.add_argument("--blocks", type=int, default=512,
                         help="2 MiB blocks moved per trial, split over the clients (default 512)")
     parser.add_argument("--url", help="an existing cluster (default: start a local one)")

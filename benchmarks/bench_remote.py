@@ -12,7 +12,7 @@ machine hit both: GB/s figures are medians over the trials, the ratio is the med
 store trial against the baseline trial next to it. All after warm-up trials that leave the
 store full and evicting, its steady state.
 
-    python benchmarks/bench_remote.py [--json PATH] [--trials 5] [--blocks 128]
+    python benchmarks/bench_remote.py [--json PATH] [--trials 9] [--blocks 256]
 """
 
 from __future__ import annotations
@@ -247,9 +247,9 @@ def run_mode(setup: Setup, clients: int, blocks: int, trials: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--trials", type=int, default=5, help="measured trials per figure")
-    parser.add_argument("--blocks", type=int, default=128,
-                        help="2 MiB blocks moved per trial, split over the clients (default 128)")
+    parser.add_argument("--trials", type=int, default=9, help="measured trials per figure")
+    parser.add_argument("--blocks", type=int, default=256,
+                        help="2 MiB blocks moved per trial, split over the clients (default 256)")
     args = parser.parse_args(argv)
     if args.trials < 1 or args.blocks < max(CLIENT_COUNTS):
         parser.error(f"need --trials >= 1 and --blocks >= {max(CLIENT_COUNTS)}")
