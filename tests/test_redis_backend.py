@@ -141,7 +141,7 @@ def test_wrong_or_missing_credentials_are_refused_and_nothing_is_written(
     source = pool(3, seed=4)
     names = keys(3, start=300)
     refused = re.compile("invalid username-password pair or user is disabled"
-                         "|must be called with the client already authenticated")
+                         "|Authentication required")
     for bad in (auth(redis_cluster, password="wrong-password"),
                 auth(redis_cluster, user=None, password=None)):  # the disabled default user
         with RedisClusterBackend(redis_cluster.url.replace(f"{redis_cluster.user}@", ""), bad,

@@ -33,7 +33,7 @@ def tagged(name: str) -> bytes:
 @pytest.mark.redis
 def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
         redis_cluster: LocalRedisCluster) -> None:
-    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")))
+    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")), protocol=2)
     heads = [os.urandom(40) for _ in SIZES]
     bodies = [memoryview(os.urandom(size))[: max(0, size - 40)] for size in SIZES]
     names = [tagged(f"v{size}") for size in SIZES]
@@ -62,7 +62,7 @@ def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
 
 @pytest.mark.redis
 def test_a_read_left_halfway_drops_its_connection(redis_cluster: LocalRedisCluster) -> None:
-    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")))
+    node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")), protocol=2)
     names = [tagged(f"half{i}") for i in range(3)]
     values = [os.urandom(100 << 10) for _ in names]
     assert set_values(node, names, [(b"", v) for v in values]) == [True] * 3
@@ -77,39 +77,56 @@ def test_a_read_left_halfway_drops_its_connection(redis_cluster: LocalRedisClust
     node.close()
 
 
+def _feed(stream: bytes, payload: bytes = b"") -> tuple[socket.socket, threading.Thread]:
+    """A socket receiving `stream` a byte at a time, except `payload` in 7777-byte pieces."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(10)
+
+    def dribble() -> None:
+        head = stream.index(payload) if payload else len(stream)
+        pieces = [stream[i:i + 1] for i in range(head)]
+        pieces += [payload[i:i + 7777] for i in range(0, len(payload), 7777)]
+        pieces += [stream[i:i + 1] for i in range(head + len(payload), len(stream))]
+        with theirs:
+            for piece in pieces:
+                theirs.sendall(piece)
+
+    writer = threading.Thread(target=dribble, daemon=True)
+    writer.start()
+    return ours, writer
+
+
 def test_reader_takes_replies_split_anywhere() -> None:
     payload = os.urandom(100 << 10)
-    stream = (b"$5\r\nhello\r\n" + b"_\r\n" + b"$-1\r\n" + b"-MOVED 3999 127.0.0.1:6381\r\n"
-              + b"!21\r\nSYNTAX invalid syntax\r\n" + b"$%d\r\n%s\r\n" % (len(payload), payload)
-              + b"$0\r\n\r\n" + b":1\r\n")
+    stream = (b"$5\r\nhello\r\n" + b"$-1\r\n" + b"-MOVED 3999 127.0.0.1:6381\r\n"
+              + b"-ERR syntax error\r\n" + b"$%d\r\n%s\r\n" % (len(payload), payload)
+              + b"$0\r\n\r\n" + b"_\r\n")
+    ours, writer = _feed(stream, payload)
+    try:
+        reader = _ReplyReader(ours)
+        buffer = memoryview(bytearray(BUFFER))
+        assert bytes(reader.bulk(buffer)) == b"hello"
+        assert reader.bulk(buffer) is None
+        moved = reader.bulk(buffer)
+        assert isinstance(moved, MovedError) and moved.slot_id == 3999
+        error = reader.bulk(buffer)
+        assert isinstance(error, ResponseError) and "syntax error" in str(error)
+        assert bytes(reader.bulk(buffer)) == payload
+        assert bytes(reader.bulk(buffer)) == b""
+        with pytest.raises(RedisConnectionError, match="unexpected reply to GET: b'_'"):
+            reader.bulk(buffer)  # RESP3: the backend's connections speak RESP2
+        writer.join(10)
+        with pytest.raises(RedisConnectionError, match="closed the connection"):
+            reader.bulk(buffer)
+    finally:
+        ours.close()
+
+
+@pytest.mark.parametrize("line", [b"$" + b"1" * (70 << 10), b"$-5", b"$--1", b"$12x"])
+def test_reader_refuses_malformed_lines(line: bytes) -> None:
     ours, theirs = socket.socketpair()
-
-    def dribble() -> None:  # a byte at a time around every line, the payload in odd pieces
-        head = stream.index(payload)
-        for i in range(head):
-            theirs.sendall(stream[i:i + 1])
-        for start in range(head, head + len(payload), 7777):
-            theirs.sendall(stream[start:min(start + 7777, head + len(payload))])
-        for i in range(head + len(payload), len(stream)):
-            theirs.sendall(stream[i:i + 1])
-
-    writer = threading.Thread(target=dribble)
-    writer.start()
-    ours.settimeout(10)
-    reader = _ReplyReader(ours)
-    buffer = memoryview(bytearray(BUFFER))
-    assert bytes(reader.bulk(buffer)) == b"hello"
-    assert reader.bulk(buffer) is None and reader.bulk(buffer) is None
-    moved = reader.bulk(buffer)
-    assert isinstance(moved, MovedError) and moved.slot_id == 3999
-    error = reader.bulk(buffer)
-    assert isinstance(error, ResponseError) and "invalid syntax" in str(error)
-    assert bytes(reader.bulk(buffer)) == payload
-    assert bytes(reader.bulk(buffer)) == b""
-    with pytest.raises(RedisConnectionError, match="unexpected reply to GET: b':1'"):
-        reader.bulk(buffer)
-    writer.join()
-    theirs.close()
-    with pytest.raises(RedisConnectionError, match="closed the connection"):
-        reader.bulk(buffer)
-    ours.close()
+    with ours, theirs:
+        ours.settimeout(10)
+        theirs.sendall(line + b"\r\n")
+        with pytest.raises(RedisConnectionError, match="longer than 64 KiB|unexpected reply"):
+            _ReplyReader(ours).bulk(memoryview(bytearray(BUFFER)))

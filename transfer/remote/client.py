@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +162,7 @@ class StoreClient(RemoteBackend):
         try:
             self._exchange(batches, complete, timeout_s)
         finally:  # never return while a checker still reads a slot the caller gets back
+            wait([computed for _, _, computed in checks])
             for i, checksum, computed in checks:
                 if computed.result() == checksum:
                     statuses[i] = BlockStatus.OK

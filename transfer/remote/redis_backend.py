@@ -296,7 +296,9 @@ class RedisClusterBackend(RemoteBackend):
             username=self._url.user or auth.user, password=auth.password,
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             socket_read_size=1 << 20, require_full_coverage=False,
-            retry=Retry(NoBackoff(), 1), **tls)
+            # RESP2: redis_wire reads GET replies itself, and RESP3 could put push messages
+            # (maintenance notifications) between them
+            protocol=2, retry=Retry(NoBackoff(), 1), **tls)
 
     def _shares(self, cluster: RedisCluster, keys: list[bytes], per_pipeline: int,
                 answers: list[Any]) -> list[_Share]:

@@ -7,7 +7,8 @@ a put's). Here a node's share of a put or get is one pipeline on a connection fr
 client's own pool (redis-py made it: AUTH, TLS, timeouts): a SET sends the header and the pool
 slot as separate buffers, and each GET reply is read with recv_into straight into the calling
 thread's reused buffer, so the kernel copies with the GIL released and the bytes are checked
-while still in cache. Only the RESP a GET's reply needs is read here (strings, nulls, errors);
+while still in cache. Only the RESP2 a GET's reply needs is read here (a string, nil or an
+error; the backend's connections speak RESP2, so no push message can arrive between replies);
 anything else, a short read or a timeout disconnects the connection and fails the node's share.
 """
 
@@ -58,7 +59,12 @@ def set_values(client: redis.Redis, keys: Sequence[bytes],
 def get_values(client: redis.Redis, keys: Sequence[bytes],
                buffer: memoryview) -> Iterator[memoryview | Exception | None]:
     """GET `keys` in one pipeline; yields per key a view of `buffer` holding its value (valid
-    until the next item), None for a miss, or the node's error (ValueTooLarge included)."""
+    until the next item), None for a miss, or the node's error (ValueTooLarge included).
+    `client` must speak RESP2 (protocol=2)."""
+    protocol = client.connection_pool.connection_kwargs.get("protocol")
+    if str(protocol) != "2":
+        raise ValueError(f"get_values reads RESP2 replies: make the client with protocol=2, "
+                         f"not protocol={protocol!r}")
     chunks = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key) for key in keys]
     with _connection(client) as conn:
         conn.send_packed_command([b"".join(chunks)], check_health=False)
@@ -81,14 +87,16 @@ class _connection:
         return self._conn
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        if kind is not None:  # a failure or an abandoned generator: the stream is out of step
-            self._conn.disconnect()
-        self._pool.release(self._conn)
+        try:
+            if kind is not None:  # a failure or an abandoned generator: the stream is out of step
+                self._conn.disconnect()
+        finally:
+            self._pool.release(self._conn)
 
 
 class _ReplyReader:
-    """GET replies (RESP2 or RESP3) from a socket: lines through a small buffer, payloads with
-    recv_into into the caller's buffer."""
+    """RESP2 GET replies from a socket: lines through a small buffer, payloads with recv_into
+    into the caller's buffer."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -104,17 +112,11 @@ class _ReplyReader:
         kind, rest = line[:1], line[1:]
         if kind == b"-":
             return BaseParser.parse_error(rest.decode("utf-8", "replace"))
-        if line == b"_":  # RESP3's null (redis-py speaks RESP3 to servers that offer it)
+        if line == b"$-1":
             return None
-        if kind not in (b"$", b"!") or not rest.lstrip(b"-").isdigit():
+        if kind != b"$" or not rest.isdigit():
             raise RedisConnectionError(f"unexpected reply to GET: {line[:80]!r}")
         size = int(rest)
-        if size < 0:  # RESP2's null
-            return None
-        if kind == b"!":  # RESP3's blob error
-            error = memoryview(bytearray(size + 2))
-            self._read_into(error)
-            return BaseParser.parse_error(bytes(error[:size]).decode("utf-8", "replace"))
         if size > len(buffer):
             self._skip(size + 2)
             return ValueTooLarge(size, len(buffer))

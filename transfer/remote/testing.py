@@ -111,7 +111,10 @@ class RawPeer:
         deadline_ms = int(timeout_s * 1000)
         if not self._sock.poll(deadline_ms, zmq.POLLOUT):
             return None
-        self._sock.send_multipart(frames, zmq.NOBLOCK)
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # the peer went between the poll and the send
+            return None
         if not self._sock.poll(deadline_ms):
             return None
         return self._sock.recv_multipart()
