@@ -6,12 +6,13 @@ the block exactly where its status is OK, and keeps the poison everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -55,6 +56,16 @@ def backend(cluster: LocalRedisCluster, target: torch.Tensor | None = None,
             namespace: bytes = NS, **options: object) -> RedisClusterBackend:
     return RedisClusterBackend(cluster.url, auth(cluster), namespace=namespace, pool=target,
                                **options)
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """The process SIGSTOPped (a stalled node: its sockets stay open, nothing answers)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def assert_slots(target: torch.Tensor, source: torch.Tensor, ok: tuple[bool, ...]) -> None:
@@ -255,13 +266,10 @@ def test_a_stalled_master_costs_its_blocks_the_deadline_and_never_writes_late(
         assert writer.put(names, range(count)).all_ok
     with backend(cluster, target, timeout_s=5.0) as reader:
         assert reader.ping() == 1  # connected, as a running engine is (a first connect to a
-        os.kill(cluster.pids[2], signal.SIGSTOP)  # stalled cluster is bounded the same way)
-        try:
+        with stopped(cluster.pids[2]):  # stalled cluster is bounded the same way)
             started = time.monotonic()
             got = reader.get(names, range(count), timeout_s=0.5)
             elapsed = time.monotonic() - started
-        finally:
-            os.kill(cluster.pids[2], signal.SIGCONT)
         assert elapsed < 1.5, elapsed
         assert got.ok == tuple(not v for v in on_victim), got.errors
         assert all("deadline" in e for e, v in zip(got.errors, on_victim, strict=True) if v)
@@ -270,13 +278,10 @@ def test_a_stalled_master_costs_its_blocks_the_deadline_and_never_writes_late(
     # A first connect that meets a stalled seed is bounded by the call's deadline too.
     target.fill_(POISON)
     with backend(cluster, target, timeout_s=5.0) as fresh:
-        os.kill(cluster.pids[0], signal.SIGSTOP)
-        try:
+        with stopped(cluster.pids[0]):
             started = time.monotonic()
             got = fresh.get(names, range(count), timeout_s=0.5)
             elapsed = time.monotonic() - started
-        finally:
-            os.kill(cluster.pids[0], signal.SIGCONT)
         assert elapsed < 1.5, elapsed
         assert got.statuses == (BlockStatus.FAILED,) * count
         assert "no slot map before the deadline" in got.errors[0]

@@ -58,6 +58,10 @@ def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
     assert node.client_id() == connection_id  # the same connection, back in the pool in step
     node.delete(*names, tagged("a-list"), tagged("too-big"))
     node.close()
+    resp3 = redis_cluster.node_client(0, protocol=3)
+    with pytest.raises(ValueError, match="protocol=2"):
+        next(get_values(resp3, names, buffer))
+    resp3.close()
 
 
 @pytest.mark.redis

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("redis")
 
 import vllm_harness as h  # noqa: E402
-from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
+from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
 from kvconnector.vllm import ConnectorOptions  # noqa: E402
 from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
@@ -107,16 +107,8 @@ def test_a_master_killed_after_lookup_recomputes_its_blocks_and_survivors_still_
 
     second = make_engine(model_dir, cluster, async_scheduling)
     poison_gpu(second)
-    core = second.connector._scheduler
-    plan_load = core.plan_load
-
-    def plan_then_kill(*args: object, **kwargs: object) -> tuple[int, int]:
-        planned = plan_load(*args, **kwargs)
-        if planned[1]:
-            cluster.kill(victim)  # the lookup found all 8; the get will lose the victim's
-        return planned
-
-    core.plan_load = plan_then_kill
+    # The lookup found all 8; the get will lose the victim's.
+    on_planned_load(second, lambda: cluster.kill(victim))
     run_to_completion(second, {"b": (prompt, 2)})
     # Blocks before the first lost one came from the surviving masters (bytes compared); vLLM
     # recomputed from there, never reading poison.

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 import vllm_harness as h  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
+from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
 from kvconnector.vllm import (  # noqa: E402
     ConnectorOptions,
@@ -150,15 +150,7 @@ def test_store_killed_between_lookup_and_load_recomputes(
     second = make_engine(model_dir, store.url, async_scheduling, tp)
     poison_gpu(second)
     core = second.connector._scheduler
-    plan_load = core.plan_load
-
-    def plan_then_kill(*args: object, **kwargs: object) -> tuple[int, int]:
-        planned = plan_load(*args, **kwargs)
-        if planned[1]:
-            store.kill()  # the lookup said yes; the get will find no store
-        return planned
-
-    core.plan_load = plan_then_kill
+    on_planned_load(second, store.kill)  # the lookup said yes; the get will find no store
     run_to_completion(second, {"b": (prompt, 2)})
     assert store.process.poll() is not None  # it was killed
     assert all(w.starts["b"] == [0] for w in second.workers)  # recomputed, never read poison
@@ -178,21 +170,17 @@ def test_block_evicted_between_lookup_and_load_keeps_the_head(
     second = make_engine(model_dir, store.url, async_scheduling)
     poison_gpu(second)
     core = second.connector._scheduler
-    plan_load = core.plan_load
     probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
                       block_hasher=h.get_request_block_hasher(BS, h.sha256))
     third = core.namespace.key(probe.block_hashes[2])
-
-    def plan_then_delete(*args: object, **kwargs: object) -> tuple[int, int]:
-        planned = plan_load(*args, **kwargs)
-        if planned[1] and not deleted:  # the fetch is planned: the store drops block 2
-            with StoreClient(store.url, Security.none(), namespace=core.namespace) as client:
-                deleted.extend(client.delete([third]))
-        return planned
-
     deleted: list[bool] = []
 
-    core.plan_load = plan_then_delete
+    def delete_block_2() -> None:  # the fetch is planned: the store drops block 2, once
+        if not deleted:
+            with StoreClient(store.url, Security.none(), namespace=core.namespace) as client:
+                deleted.extend(client.delete([third]))
+
+    on_planned_load(second, delete_block_2)
     run_to_completion(second, {"b": (prompt, 2)})
     assert deleted == [True]
     # Blocks 0-1 came from the store (bytes compared), block 2 was missing: vLLM dropped the

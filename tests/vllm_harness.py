@@ -458,6 +458,21 @@ def shutdown_remote_engines() -> None:
     Engine.shutdown_all()
 
 
+def on_planned_load(engine: Engine, action: Callable[[], None]) -> None:
+    """Run `action` each time the engine's scheduler plans a load from a lookup hit: what it
+    does to the remote tier lands between the lookup and the get."""
+    core = engine.connector._scheduler
+    plan_load = core.plan_load
+
+    def plan_then_act(*args: object, **kwargs: object) -> tuple[int, int]:
+        planned = plan_load(*args, **kwargs)
+        if planned[1]:
+            action()
+        return planned
+
+    core.plan_load = plan_then_act
+
+
 def make_prompt(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(50, 950) for _ in range(length)]
