@@ -24,6 +24,9 @@ from zmq.utils.monitor import recv_monitor_message
 from transfer.remote.protocol import ProtocolError, Reply, decode_reply
 from transfer.remote.security import Security
 
+# plain ints: operators on pyzmq's enum flags run Python code, a cost on every request
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_SNDMORE, _NOBLOCK, _RCVMORE = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.RCVMORE)
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -83,7 +86,7 @@ class Connection:
                     pending[request.request_id] = request
                     request.deadline = time.monotonic() + timeout_s
                     self._send(request)
-                self._wait(min(r.deadline for r in pending.values()), zmq.POLLIN)
+                self._wait(min(r.deadline for r in pending.values()), _POLLIN)
                 self._receive_reply(pending, complete)
         except StoreError as exc:
             for request in (*pending.values(), *queue):
@@ -95,7 +98,7 @@ class Connection:
 
     def more_frames(self) -> bool:
         """Whether the reply being read has another frame."""
-        return bool(self._sock.rcvmore)
+        return bool(self._sock.get(_RCVMORE))
 
     def recv_into(self, buffer: Any) -> int:
         """Receive the next frame into `buffer`; returns the frame's full size (larger than
@@ -113,17 +116,16 @@ class Connection:
     def _send(self, request: Exchange) -> None:
         if callable(request.header):
             request.header = request.header()
-        flags = zmq.SNDMORE if request.frames else 0
+        flags = _SNDMORE if request.frames else 0
         while True:
-            self._wait(request.deadline, zmq.POLLOUT)
-            try:
-                self._sock.send(request.header, flags | zmq.NOBLOCK)
+            try:  # poll only when the send cannot go at once (no live connection yet)
+                self._sock.send(request.header, flags | _NOBLOCK)
                 break
-            except zmq.Again:  # the connection went between poll and send
-                continue
+            except zmq.Again:
+                self._wait(request.deadline, _POLLOUT)
         # the rest of a multipart message never blocks: zmq admits messages whole
         for index, frame in enumerate(request.frames):
-            more = zmq.SNDMORE if index < len(request.frames) - 1 else 0
+            more = _SNDMORE if index < len(request.frames) - 1 else 0
             request.trackers.append(self._sock.send(frame, more, copy=False, track=True))
 
     def _receive_reply(self, pending: dict[int, Exchange],
@@ -146,7 +148,7 @@ class Connection:
         except ProtocolError as exc:
             request.error = f"malformed reply from the store at {self.url}: {exc}"
         finally:
-            while self._sock.rcvmore:  # frames nobody read
+            while self._sock.get(_RCVMORE):  # frames nobody read
                 self._sock.recv(copy=False)
 
     def _wait(self, deadline: float, event: int) -> None:
@@ -154,7 +156,7 @@ class Connection:
         while True:
             remaining_ms = math.ceil((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                what = "reply from" if event == zmq.POLLIN else "connection to"
+                what = "reply from" if event == _POLLIN else "connection to"
                 raise StoreError(f"no {what} the store at {self.url} within the timeout")
             ready = dict(self._poller.poll(remaining_ms))
             if self._monitor in ready:
@@ -202,7 +204,7 @@ class Connection:
         self._sock, self._monitor = sock, monitor
         self._connected, self._refusal = False, ""
         self._poller = zmq.Poller()
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._monitor, _POLLIN)
 
     def _disconnect(self) -> None:
         self._sock.disable_monitor()
