@@ -4,7 +4,8 @@ Requests are served one message at a time in arrival order, so clients interleav
 granularity; zmq's IO thread does the socket work. Blocks are received zero-copy (the store keeps
 the frame) and sent zero-copy with a MessageTracker that keeps them pinned until zmq is done.
 A large put's checksums are checked on worker threads (xxhash releases the GIL), its blocks in
-parallel, while the loop goes on receiving; puts are stored and answered in arrival order once
+parallel, while the loop goes on receiving (inline on a machine with no core to spare for them;
+see DEFAULT_VERIFY_THREADS); puts are stored and answered in arrival order once
 checked, so a block is never stored (or served) before its bytes have matched their checksum.
 Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
 the `kvconnector store serve` command).
@@ -57,8 +58,8 @@ _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 # smaller ones inline, where hashing them costs less than a thread hop.
 VERIFY_INLINE_BYTES = 1 << 20
 # Cores beyond the serving thread and zmq's IO thread check several clients' puts at once (four
-# at most). With none to spare (2 cores), puts are checked inline: thread hand-offs only add CPU
-# there (measured: 4 clients' puts ~0.74 -> ~0.80 of the raw baseline on a 2-core VM).
+# at most). With none to spare (2 cores) puts are checked inline: there thread hand-offs only
+# add CPU, and CPU per byte is what a busy 2-core machine's throughput is (docs/benchmarks.md).
 DEFAULT_VERIFY_THREADS = max(0, min(4, (os.cpu_count() or 1) - 2))
 
 
