@@ -80,6 +80,21 @@ def masters_of(cluster: LocalRedisCluster, block_keys: list[bytes]) -> list[int]
     return [cluster.master_index_for_key(redis_key(k)) for k in block_keys]
 
 
+def stored_with_victim(
+        cluster: LocalRedisCluster, count: int, seed: int,
+        victim: int) -> tuple[torch.Tensor, torch.Tensor, list[bytes], tuple[bool, ...]]:
+    """`count` blocks put on the cluster; returns the source pool, a poisoned target pool, the
+    keys, and which keys live on master `victim` (some, not all)."""
+    source = pool(count, seed=seed)
+    target = torch.full((count, BLOCK), POISON, dtype=torch.uint8)
+    names = keys(count)
+    on_victim = tuple(m == victim for m in masters_of(cluster, names))
+    assert 0 < sum(on_victim) < count
+    with backend(cluster, source) as writer:
+        assert writer.put(names, range(count)).all_ok
+    return source, target, names, on_victim
+
+
 def test_round_trip_is_bit_exact_over_all_three_masters(redis_cluster: LocalRedisCluster) -> None:
     source, target = pool(48, seed=1), torch.full((48, BLOCK), POISON, dtype=torch.uint8)
     names = keys(48)
@@ -220,13 +235,7 @@ def test_eviction_turns_into_misses_not_errors(redis_cluster_factory: Factory) -
 def test_a_master_killed_mid_get_fails_only_its_blocks(redis_cluster_factory: Factory) -> None:
     cluster = redis_cluster_factory()
     count = 36
-    source = pool(count, seed=7)
-    target = torch.full((count, BLOCK), POISON, dtype=torch.uint8)
-    names = keys(count)
-    on_victim = tuple(m == 1 for m in masters_of(cluster, names))
-    assert 0 < sum(on_victim) < count
-    with backend(cluster, source) as writer:
-        assert writer.put(names, range(count)).all_ok
+    source, target, names, on_victim = stored_with_victim(cluster, count, seed=7, victim=1)
     with AsyncRemoteClient(cluster.url, auth(cluster), namespace=NS, pool=target,
                            timeout_s=5.0) as reader:
         victim = cluster.pids[1]
@@ -258,12 +267,7 @@ def test_a_stalled_master_costs_its_blocks_the_deadline_and_never_writes_late(
         redis_cluster_factory: Factory) -> None:
     cluster = redis_cluster_factory()
     count = 24
-    source = pool(count, seed=8)
-    target = torch.full((count, BLOCK), POISON, dtype=torch.uint8)
-    names = keys(count)
-    on_victim = tuple(m == 2 for m in masters_of(cluster, names))
-    with backend(cluster, source) as writer:
-        assert writer.put(names, range(count)).all_ok
+    source, target, names, on_victim = stored_with_victim(cluster, count, seed=8, victim=2)
     with backend(cluster, target, timeout_s=5.0) as reader:
         assert reader.ping() == 1  # connected, as a running engine is (a first connect to a
         with stopped(cluster.pids[2]):  # stalled cluster is bounded the same way)
