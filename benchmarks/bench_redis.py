@@ -18,7 +18,9 @@ same bytes per value as ours) on the same cluster in the same run:
   answer nil and look fast. Each run is checked: after SET every master holds a full-size value
   under that key, and a GET run must make the masters send >= requests x value bytes (INFO
   total_net_output_bytes). See kvconnector.bench.redis_tier.RedisBenchmark.
-- -n: sized in the warm-up so a run lasts >= TARGET_S (its rps comes from a ms clock).
+- -n: sized in the warm-up so a run lasts >= TARGET_S. Its rate is the one at its last progress
+  tick, not its final figure, which counts up to 250 ms of idle threads after the last value
+  (kvconnector.bench.redis_tier.progress_rate).
 - Its password goes on its command line (-a is its only way to take one): fine for the
   throwaway local cluster; with --url use a throwaway ACL user.
 
@@ -140,12 +142,13 @@ def run_clients(url: str, auth: RedisAuth, tool: RedisBenchmark, clients: int, b
                     else:
                         rates, keys = [], []
                         for p in pipelines:
-                            rps = tool.run(rb_op, VALUE, requests[(rb_op, p)], clients * masters,
-                                           p)
+                            run = tool.run(rb_op, VALUE, requests[(rb_op, p)],
+                                           clients * masters, p)
+                            requests[(rb_op, p)] = run.requests
                             if trial < WARMUP_TRIALS:  # size -n for >= TARGET_S a run
-                                requests[(rb_op, p)] = max(requests[(rb_op, p)],
-                                                           int(rps * TARGET_S))
-                            rates.append(rps)
+                                requests[(rb_op, p)] = max(run.requests,
+                                                           int(run.values_per_s * TARGET_S))
+                            rates.append(run.values_per_s)
                             keys.append((rb_op, p))
                     if trial >= WARMUP_TRIALS:
                         for key, rate in zip(keys, rates, strict=True):

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from kvconnector.bench.redis_tier import RedisBenchmark, progress_rate
 from kvconnector.cli import main
 
 pytest.importorskip("redis")
 
 from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis_values import RedisAuth  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -74,3 +76,43 @@ def test_without_redis_url_there_is_no_redis_record(tmp_path: Path) -> None:
 def test_redis_flags_need_a_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*TINY, "--redis-user", "someone"]) == 2
     assert "need --redis-url" in capsys.readouterr().err
+
+
+# redis-benchmark -q output as the cluster run prints it: progress lines ended by \r, then the
+# final line (which counts the idle wait for the next tick after the last value)
+_PROGRESS = ("SET: rps=0.0 (overall: 0.0) avg_msec=nan (overall: nan)\r"
+             "SET: rps=1800.0 (overall: 1790.5) avg_msec=6.0 (overall: 6.0)\r"
+             "SET: rps=2300.0 (overall: 2101.2) avg_msec=5.0 (overall: 5.4)\r"
+             "SET: 1953.12 requests per second, p50=4.911 msec\n")
+
+
+def test_progress_rate_is_the_last_ticks_overall_rate_not_the_final_figure() -> None:
+    assert progress_rate(_PROGRESS, "set") == (2101.2, 2)  # the 0.0 tick is not counted
+    assert progress_rate(_PROGRESS.replace("SET", "GET"), "get") == (2101.2, 2)
+
+
+def test_progress_rate_without_a_tick_gives_the_final_figure_and_zero_ticks() -> None:
+    assert progress_rate("SET: 1953.12 requests per second, p50=4.911 msec\n", "set") == \
+        (1953.12, 0)
+
+
+@pytest.mark.parametrize("stdout", ["", "GET: 10.0 requests per second\n",
+                                    "SET: 0.00 requests per second\n"])
+def test_progress_rate_refuses_output_without_a_rate(stdout: str) -> None:
+    with pytest.raises(RuntimeError, match="no rate in its output"):
+        progress_rate(stdout, "set")
+
+
+@pytest.mark.skipif(not shutil.which("redis-benchmark"), reason="needs redis-benchmark")
+def test_a_run_too_short_to_time_is_redone_longer_and_later_runs_keep_the_count(
+        redis_cluster: LocalRedisCluster) -> None:
+    tool = RedisBenchmark(redis_cluster.url, RedisAuth.from_sources(
+        redis_cluster.user, redis_cluster.password_file))
+    try:
+        first = tool.run("set", 4096, 8, 3, 1)  # 8 small values: far under one tick
+        assert first.requests > 8 and first.values_per_s > 0
+        again = tool.run("set", 4096, 8, 3, 1)
+        assert again.requests == first.requests  # the count that timed, kept
+        assert tool.run("get", 4096, 8, 3, 1).requests > 8  # get is a kind of its own
+    finally:
+        tool.cleanup()

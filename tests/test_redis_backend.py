@@ -368,3 +368,27 @@ def test_concurrent_backends_share_blocks(redis_cluster: LocalRedisCluster) -> N
     assert all(torch.equal(t, source) for t in targets)
     with backend(redis_cluster) as cleaner:
         cleaner.delete(names)
+
+
+@pytest.mark.parametrize(("workers", "per_master"), [(8, 2), (3, 1), (2, 1)])
+def test_a_call_holds_at_most_its_lanes_connections_per_master(
+        redis_cluster: LocalRedisCluster, workers: int, per_master: int) -> None:
+    """Pipelines run in lanes, each on one connection for the whole call: workers // masters
+    of them per master (at least one), not one connection per pipeline in flight."""
+    count = 48
+    whole = torch.cat([pool(count, seed=11), torch.full((count, BLOCK), POISON,
+                                                        dtype=torch.uint8)])
+    names = keys(count)
+    nodes = [redis_cluster.node_client(master) for master in range(3)]
+    before = [max(c["id"] for c in node.client_list()) for node in nodes]
+    with backend(redis_cluster, whole, workers=workers) as client:
+        assert client.put(names, range(count)).all_ok
+        assert client.get(names, range(count, 2 * count)).all_ok
+        assert torch.equal(whole[count:], whole[:count])
+        for node, last_before in zip(nodes, before, strict=True):
+            lanes = [c for c in node.client_list()
+                     if int(c["id"]) > int(last_before) and c["cmd"] in ("set", "get")]
+            assert 1 <= len(lanes) <= per_master, lanes
+        client.delete(names)
+    for node in nodes:
+        node.close()

@@ -7,17 +7,22 @@ import os
 import socket
 import threading
 
+import numpy as np
 import pytest
 
 pytest.importorskip("redis")
 
 from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
 from redis.exceptions import MovedError, ResponseError  # noqa: E402
+from redis.exceptions import TimeoutError as RedisTimeoutError  # noqa: E402
 
 from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis_wire import (  # noqa: E402
+    _IOV_MAX,
     ValueTooLarge,
     _ReplyReader,
+    _send,
+    checked_out,
     get_values,
     set_values,
 )
@@ -37,7 +42,9 @@ def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
     heads = [os.urandom(40) for _ in SIZES]
     bodies = [memoryview(os.urandom(size))[: max(0, size - 40)] for size in SIZES]
     names = [tagged(f"v{size}") for size in SIZES]
-    assert set_values(node, names, list(zip(heads, bodies, strict=True))) == [True] * len(SIZES)
+    with checked_out(node) as conn:
+        assert set_values(conn, names, list(zip(heads, bodies, strict=True))) == \
+            [True] * len(SIZES)
     for name, head, body in zip(names, heads, bodies, strict=True):
         assert node.get(name) == head + bytes(body)
 
@@ -48,8 +55,9 @@ def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
              *names[2:]]
     buffer = memoryview(bytearray(BUFFER))
     got = []
-    for reply in get_values(node, asked, buffer):
-        got.append(bytes(reply) if isinstance(reply, memoryview) else reply)
+    with checked_out(node) as conn:
+        for reply in get_values(conn, asked, buffer):
+            got.append(bytes(reply) if isinstance(reply, memoryview) else reply)
     assert got[0] == heads[0] + bytes(bodies[0]) and got[2] == heads[1] + bytes(bodies[1])
     assert got[1] is None
     assert isinstance(got[3], ResponseError) and "WRONGTYPE" in str(got[3])
@@ -59,8 +67,8 @@ def test_values_round_trip_and_every_reply_kind_keeps_the_stream_in_step(
     node.delete(*names, tagged("a-list"), tagged("too-big"))
     node.close()
     resp3 = redis_cluster.node_client(0, protocol=3)
-    with pytest.raises(ValueError, match="protocol=2"):
-        next(get_values(resp3, names, buffer))
+    with checked_out(resp3) as conn, pytest.raises(ValueError, match="protocol=2"):
+        next(get_values(conn, names, buffer))
     resp3.close()
 
 
@@ -69,14 +77,17 @@ def test_a_read_left_halfway_drops_its_connection(redis_cluster: LocalRedisClust
     node = redis_cluster.node_client(redis_cluster.master_index_for_key(tagged("x")), protocol=2)
     names = [tagged(f"half{i}") for i in range(3)]
     values = [os.urandom(100 << 10) for _ in names]
-    assert set_values(node, names, [(b"", v) for v in values]) == [True] * 3
+    with checked_out(node) as conn:
+        assert set_values(conn, names, [(b"", v) for v in values]) == [True] * 3
     connection_id = node.client_id()
     buffer = memoryview(bytearray(BUFFER))
-    replies = get_values(node, names, buffer)
-    assert bytes(next(replies)) == values[0]
-    replies.close()  # two replies still unread: that connection must never be reused
+    with checked_out(node) as conn:
+        replies = get_values(conn, names, buffer)
+        assert bytes(next(replies)) == values[0]
+        replies.close()  # two replies still unread: that connection must never be reused
     assert node.client_id() != connection_id
-    assert [bytes(r) for r in get_values(node, names, buffer)] == values
+    with checked_out(node) as conn:
+        assert [bytes(r) for r in get_values(conn, names, buffer)] == values
     node.delete(*names)
     node.close()
 
@@ -134,3 +145,53 @@ def test_reader_refuses_malformed_lines(line: bytes) -> None:
         theirs.sendall(line + b"\r\n")
         with pytest.raises(RedisConnectionError, match="longer than 64 KiB|unexpected reply"):
             _ReplyReader(ours).bulk(memoryview(bytearray(BUFFER)))
+
+
+class _Connection:
+    """What `_send` uses of a redis-py connection: its socket, and disconnect."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.disconnected = False
+
+    def disconnect(self) -> None:
+        self.disconnected = True
+
+
+def test_send_resumes_after_partial_sends_and_splits_past_the_iov_limit() -> None:
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # every sendmsg goes in part
+    ours.settimeout(10)
+    theirs.settimeout(10)
+    body = np.frombuffer(os.urandom(1 << 20), np.uint8)
+    parts = [b"head", body, memoryview(b"xy"), *(bytes([i % 251]) for i in range(2 * _IOV_MAX)),
+             b"tail"]
+    expected = b"".join(bytes(memoryview(part)) for part in parts)
+    got = bytearray()
+
+    def drain() -> None:
+        while len(got) < len(expected):
+            got.extend(theirs.recv(3000))
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    connection = _Connection(ours)
+    with ours, theirs:
+        _send(connection, parts)
+        reader.join(10)
+    assert bytes(got) == expected and not connection.disconnected
+
+
+@pytest.mark.parametrize(("reader_gone", "error"), [(True, RedisConnectionError),
+                                                     (False, RedisTimeoutError)])
+def test_send_failures_disconnect_and_raise_redis_errors(reader_gone: bool,
+                                                         error: type[Exception]) -> None:
+    ours, theirs = socket.socketpair()
+    ours.settimeout(0.2)
+    if reader_gone:
+        theirs.close()
+    connection = _Connection(ours)
+    with ours, pytest.raises(error):
+        _send(connection, [b"head", os.urandom(8 << 20)])  # more than any socket buffer
+    theirs.close()
+    assert connection.disconnected

@@ -14,6 +14,8 @@ per master (`key:{tag}:__rand_int__`, literally), which its SET run writes and i
 reads, so after a SET every such key must hold a value of the full size, and a GET run must make
 the masters send at least requests x value bytes (INFO total_net_output_bytes); a GET of a missing
 key would answer nil and look fast. Its keys and ours are deleted at the end.
+Its rate is read at its last progress tick (`progress_rate`): its own final figure understates
+it by up to 250 ms of idle threads per run.
 
 redis-benchmark takes a password only with -a (no environment variable or file): for its few
 seconds it is visible to local users in the process list. Use a throwaway ACL user for this.
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import shutil
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,9 +43,38 @@ from kvconnector.bench.remote import REMOTE_MAX_BYTES
 REDIS_STEPS_PER_CASE = 1
 TOOL = "redis-benchmark"
 BASELINE = "redis-benchmark --cluster SET/GET, same value size, one connection per master"
-_MIN_BASELINE_BYTES = 512 << 20  # its clock is in ms, and each run connects anew: >= ~0.2 s
+_MIN_BASELINE_BYTES = 512 << 20  # a first guess; runs too short to time are redone longer
+_TICK_S = 0.25  # redis-benchmark's progress clock
+MIN_TICKS = 4  # progress ticks a timed run must reach: >= 1 s timed
+_MAX_ATTEMPTS = 6
 _TIMEOUT_S = 120.0
 _KEY_PATTERN = "key:{*}:__rand_int__"  # redis-benchmark's SET/GET key without -r
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    values_per_s: float  # at the run's last progress tick
+    requests: int  # values the run moved (-n; raised where a shorter run was too short to time)
+
+
+def progress_rate(stdout: str, op: str) -> tuple[float, int]:
+    """(values per second, ticks) from redis-benchmark's progress lines (`-q`, not `--csv`).
+
+    Every 250 ms it prints `SET: rps=... (overall: R)`, R being the values finished so far over
+    the time since the start. Its final figure is not used: with --cluster it runs a thread per
+    master, and a thread whose connections are done notices the end of the run only at its
+    next tick, so that figure counts up to 250 ms of idling (measured: 5-24% under the last
+    tick's rate for 1-2 s runs). The rate is R at the last tick; with no tick yet, the final
+    figure (an underestimate) with 0 ticks, which is only good for sizing a longer run.
+    """
+    ticks = [float(m) for m in re.findall(
+        rf"{op.upper()}: rps=[\d.]+ \(overall: ([\d.]+)\)", stdout) if float(m) > 0]
+    if ticks:
+        return ticks[-1], len(ticks)
+    final = re.search(rf"{op.upper()}: ([\d.]+) requests per second", stdout)
+    if final is None or not float(final.group(1)) > 0:
+        raise RuntimeError(f"{TOOL} {op}: no rate in its output: {stdout[-200:]!r}")
+    return float(final.group(1)), 0
 
 
 def redis_steps(num_cases: int) -> int:
@@ -76,23 +109,39 @@ class RedisBenchmark:
             startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds], username=user,
             password=auth.password, require_full_coverage=False, socket_timeout=_TIMEOUT_S, **tls)
         self._keys: dict[str, list[bytes]] = {}  # master name -> its redis-benchmark keys
+        self._requests: dict[tuple[str, int, int, int], int] = {}  # run kind -> -n that timed
 
     @property
     def masters(self) -> int:
         return len(self._admin.get_primaries())
 
     def run(self, op: str, value_bytes: int, requests: int, clients: int,
-            pipeline: int) -> float:
-        """Values per second of one `op` ("set" or "get") run; RuntimeError where the run
-        failed or did not move full values."""
+            pipeline: int) -> BaselineRun:
+        """One `op` ("set" or "get") run of at least `requests` values, timed at its last
+        progress tick (see `progress_rate`). A run too short to give MIN_TICKS ticks is
+        repeated with more requests, and later runs of the same kind start from that count.
+        RuntimeError where a run failed or did not move full values."""
+        kind = (op, value_bytes, clients, pipeline)
+        requests = max(requests, self._requests.get(kind, 0))
+        for _ in range(_MAX_ATTEMPTS):
+            stdout = self._run_checked(op, value_bytes, requests, clients, pipeline)
+            rate, ticks = progress_rate(stdout, op)
+            if ticks >= MIN_TICKS:
+                self._requests[kind] = requests
+                return BaselineRun(rate, requests)
+            # long enough for MIN_TICKS with room to spare, at the rate seen so far
+            requests = max(2 * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 1.5))
+        raise RuntimeError(f"{TOOL} {op}: runs stayed under {MIN_TICKS} progress ticks "
+                           f"({requests} requests)")
+
+    def _run_checked(self, op: str, value_bytes: int, requests: int, clients: int,
+                     pipeline: int) -> str:
         counter = "total_net_input_bytes" if op == "set" else "total_net_output_bytes"
         before = self._net_bytes(counter)
         argv = [*self._argv, "-t", op, "-d", str(value_bytes), "-n", str(requests),
-                "-c", str(clients), "-P", str(pipeline), "--csv"]
+                "-c", str(clients), "-P", str(pipeline), "-q"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S)
-        rows = [line.split(",") for line in proc.stdout.splitlines()
-                if line.startswith(f'"{op.upper()}"')]
-        if proc.returncode != 0 or len(rows) != 1:
+        if proc.returncode != 0 or f"{op.upper()}: " not in proc.stdout:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"{TOOL} {op} failed (exit {proc.returncode}): "
                                f"{' | '.join(tail)}")
@@ -102,10 +151,7 @@ class RedisBenchmark:
                                f"{requests} x {value_bytes} B: not full values (missing keys?)")
         if op == "set":
             self._check_values(value_bytes)
-        rps = float(rows[0][1].strip('"'))
-        if not math.isfinite(rps) or rps <= 0:
-            raise RuntimeError(f"{TOOL} {op}: run too short to time ({rps} rps); raise -n")
-        return rps
+        return proc.stdout
 
     def cleanup(self) -> None:
         """Delete redis-benchmark's keys, then drop the connection."""
@@ -199,6 +245,7 @@ def _measure_case(case: Any, pool: torch.Tensor, n: int, repeats: int, url: str,
     masters = baseline.masters if baseline is not None else 0
     ours: dict[str, list[float]] = {"put": [], "get": []}  # seconds for n values
     theirs: dict[tuple[str, int], list[float]] = {(op, p): [] for op in ours for p in pipelines}
+    ran: dict[tuple[str, int], int] = {}  # -n of its runs (raised where too short to time)
     baseline_failed = "" if baseline is not None else "no redis-benchmark"
     backend = open_backend(url, auth, namespace=ns, pool=pool, timeout_s=_TIMEOUT_S)
     try:
@@ -217,11 +264,14 @@ def _measure_case(case: Any, pool: torch.Tensor, n: int, repeats: int, url: str,
             if baseline is None or baseline_failed:
                 return {}
             try:
-                return {p: n / baseline.run("set" if op == "put" else "get", value_bytes,
-                                            requests, masters, p) for p in pipelines}
+                runs = {p: baseline.run("set" if op == "put" else "get", value_bytes, requests,
+                                        masters, p) for p in pipelines}
             except Exception as exc:  # ours still stands, without a ratio
                 baseline_failed = f"{type(exc).__name__}: {exc}"
                 return {}
+            for p, run in runs.items():
+                ran[(op, p)] = run.requests
+            return {p: n / run.values_per_s for p, run in runs.items()}
 
         for trial in range(repeats + 1):  # the first: connections, slot map, warm-up
             for op in ("put", "get"):
@@ -251,7 +301,8 @@ def _measure_case(case: Any, pool: torch.Tensor, n: int, repeats: int, url: str,
         # each of our trials against the baseline run next to it, under the same load
         out[op]["ratio"] = statistics.median(t / s for s, t in zip(ours[op], base, strict=True))
         out[f"baseline_{op}_gbps"] = nbytes / statistics.median(base) / 1e9
-        out[f"baseline_{op}_flags"] = {"c": masters, "P": best, "n": requests, "d": value_bytes}
+        out[f"baseline_{op}_flags"] = {"c": masters, "P": best, "n": ran[(op, best)],
+                                        "d": value_bytes}
     if baseline_failed and baseline is not None:
         out["baseline_unavailable"] = baseline_failed
     return out

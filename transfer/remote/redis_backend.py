@@ -51,7 +51,7 @@ from transfer.remote.redis_values import (
     redis_key,
     value_header,
 )
-from transfer.remote.redis_wire import ValueTooLarge, get_values, set_values
+from transfer.remote.redis_wire import ValueTooLarge, checked_out, get_values, set_values
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +59,9 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 5.0
 # One large value per pipeline: Redis reads a big argument straight into place only at the head
 # of its input buffer, so deep pipelines of 2 MB values slow the server; parallelism comes from
-# one connection per worker instead: 8 keep a value or two in flight to each of 3 masters while
-# other workers checksum the next (measured on 2 and 16 cores: 4 workers left masters idle).
+# lanes instead (`_lanes`): workers // masters connections per master, each sending its values in
+# turn, so one lane checksums the next value while another's is on the wire. 8 workers (2 lanes
+# per master of 3) measured best on 16 cores; 12 and 16 lost 4-client puts, 3 lost 1-client ones.
 DEFAULT_BATCH_BYTES = 4 << 20
 DEFAULT_WORKERS = 8
 KEYS_PER_PIPELINE = 1024  # lookups, exists, deletes
@@ -72,6 +73,8 @@ _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace
 
 # A node's share of a call: (its client, the indices of the keys it owns)
 _Share = tuple[redis.Redis, list[int]]
+# A lane: pipelines one pool thread runs in turn on one connection to a node
+_Lane = tuple[redis.Redis, list[list[int]]]
 
 
 class _Gate:
@@ -81,6 +84,10 @@ class _Gate:
         self._cond = threading.Condition()
         self._open = True
         self._writers = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
 
     def enter(self) -> bool:
         with self._cond:
@@ -122,7 +129,8 @@ class RedisClusterBackend(RemoteBackend):
         check_positive("workers", workers)
         self._auth = auth
         self._blocks_per_pipeline = max(1, int(batch_bytes) // (self.block_bytes + HEADER_BYTES))
-        self._pool = ThreadPoolExecutor(int(workers), thread_name_prefix="kvconnector-redis")
+        self._workers = int(workers)
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="kvconnector-redis")
         self._cluster: RedisCluster | None = None
         self._stale = False  # a node failed or a slot moved: re-read the slot map
         self._connecting: Future[Any] | None = None  # making the client or re-reading the map
@@ -144,9 +152,9 @@ class RedisClusterBackend(RemoteBackend):
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [_LATE] * len(keys)
 
-        def send(client: redis.Redis, indices: list[int], gate: _Gate) -> None:
+        def send(conn: Any, indices: list[int], gate: _Gate) -> None:
             values = [(value_header(keys[i], rows[slots[i]]), rows[slots[i]]) for i in indices]
-            replies = set_values(client, [redis_key(keys[i]) for i in indices], values)
+            replies = set_values(conn, [redis_key(keys[i]) for i in indices], values)
             for i, reply in zip(indices, replies, strict=True):
                 statuses[i], errors[i] = _put_status(reply)
 
@@ -191,8 +199,8 @@ class RedisClusterBackend(RemoteBackend):
             else:
                 statuses[i], errors[i] = status, error
 
-        def fetch(client: redis.Redis, indices: list[int], gate: _Gate) -> None:
-            replies = get_values(client, [redis_key(keys[i]) for i in indices], self._buffer())
+        def fetch(conn: Any, indices: list[int], gate: _Gate) -> None:
+            replies = get_values(conn, [redis_key(keys[i]) for i in indices], self._buffer())
             for i, reply in zip(indices, replies, strict=True):
                 if isinstance(reply, _REDIRECTS):
                     statuses[i], errors[i] = BlockStatus.FAILED, _describe(reply)
@@ -320,11 +328,12 @@ class RedisClusterBackend(RemoteBackend):
         return [share for turn in zip_longest(*per_node) for share in turn if share is not None]
 
     def _run(self, keys: list[bytes], per_pipeline: int,
-             work: Callable[[redis.Redis, list[int], _Gate], None],
+             work: Callable[[Any, list[int], _Gate], None],
              redo: Callable[[int, RedisCluster, _Gate], None], statuses: list[BlockStatus],
              errors: list[str], timeout_s: float | None) -> list[tuple[Future[Any], list[int]]]:
-        """Runs `work` on every node's share in parallel until the deadline, then `redo` for
-        redirected keys. Returns the shares still running (abandoned) with their futures."""
+        """Runs `work` on every pipeline, in lanes (`_lanes`) on the pool's threads, until the
+        deadline, then `redo` for redirected keys. Returns the lanes still running (abandoned:
+        they stop at their next pipeline) with their futures and keys."""
         deadline = time.monotonic() + self.call_timeout(timeout_s)
         try:
             cluster = self._connect(deadline)
@@ -333,17 +342,20 @@ class RedisClusterBackend(RemoteBackend):
             return []
         gate = _Gate()
         unrouted: list[Any] = [None] * len(keys)
-        futures = {self._pool.submit(work, client, indices, gate): indices
-                   for client, indices in self._shares(cluster, keys, per_pipeline, unrouted)}
+        futures = {self._pool.submit(_run_lane, work, client, pipelines, gate):
+                   [i for indices in pipelines for i in indices]
+                   for client, pipelines in self._lanes(
+                       self._shares(cluster, keys, per_pipeline, unrouted))}
         for i, reason in enumerate(unrouted):
             if reason is not None:
                 errors[i] = reason
         done, running = wait(futures, max(0.0, deadline - time.monotonic()))
         for future in done:
-            if future.exception() is not None:  # the node's connection failed: its blocks only
+            if future.exception() is not None:  # the connection failed: the lane's blocks only
                 self._stale = True
                 for i in futures[future]:
-                    statuses[i], errors[i] = BlockStatus.FAILED, _describe(future.exception())
+                    if errors[i] is _LATE:  # (the pipelines it ran before have their answers)
+                        errors[i] = _describe(future.exception())
         redirected = [i for i, e in enumerate(errors)
                       if statuses[i] is BlockStatus.FAILED and e.startswith(_REDIRECT_TEXT)]
         if redirected:
@@ -357,6 +369,23 @@ class RedisClusterBackend(RemoteBackend):
                     statuses[i], errors[i] = BlockStatus.FAILED, _describe(exc)
         gate.close()
         return [(f, futures[f]) for f in running]
+
+    def _lanes(self, shares: list[_Share]) -> list[_Lane]:
+        """The shares dealt into lanes: `workers` of them at most, the same number per node
+        (at least one), each running its pipelines on one connection. A lane costs one task
+        and one connection checkout, not one per pipeline (a future and redis-py's pool cost
+        more Python per 2 MB value than the rest of a put)."""
+        by_node: dict[int, list[_Share]] = {}
+        for client, indices in shares:
+            by_node.setdefault(id(client), []).append((client, indices))
+        per_node = max(1, self._workers // max(1, len(by_node)))
+        lanes: list[_Lane] = []
+        for turn in range(per_node):  # round-robin over the nodes, as the shares are
+            for node_shares in by_node.values():
+                dealt = node_shares[turn::per_node]
+                if dealt:
+                    lanes.append((dealt[0][0], [indices for _, indices in dealt]))
+        return lanes
 
     def _ask(self, verb: str, keys: Sequence[bytes], timeout_s: float | None) -> list[Any]:
         """EXISTS or DEL for each key, pipelined per node: True/False, or why not (a str)."""
@@ -384,6 +413,16 @@ class RedisClusterBackend(RemoteBackend):
 
 
 _REDIRECT_TEXT = "redirected: "
+
+
+def _run_lane(work: Callable[[Any, list[int], _Gate], None], client: redis.Redis,
+              pipelines: list[list[int]], gate: _Gate) -> None:
+    """A lane: its pipelines in turn on one connection, until its call has returned."""
+    with checked_out(client) as conn:
+        for indices in pipelines:
+            if not gate.is_open:
+                return
+            work(conn, indices, gate)
 
 
 def _put_status(reply: Any) -> tuple[BlockStatus, str]:

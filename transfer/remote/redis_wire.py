@@ -3,18 +3,20 @@
 redis-py hands every GET reply over as a new `bytes`, grown through hiredis's buffer: two 2 MB
 copies made holding the GIL (profiled: ~45% of the GIL time of a 4-thread get), and it wants a
 SET's value as one buffer, so header and block were joined (another copy under the GIL, 25% of
-a put's). Here a node's share of a put or get is one pipeline on a connection from the node
-client's own pool (redis-py made it: AUTH, TLS, timeouts): a SET sends the header and the pool
-slot as separate buffers, and each GET reply is read with recv_into straight into the calling
-thread's reused buffer, so the kernel copies with the GIL released and the bytes are checked
-while still in cache. Only the RESP2 a GET's reply needs is read here (a string, nil or an
-error; the backend's connections speak RESP2, so no push message can arrive between replies);
-anything else, a short read or a timeout disconnects the connection and fails the node's share.
+a put's). Here pipelines run on a connection checked out once from the node client's own pool
+(redis-py made it: AUTH, TLS, timeouts) for a run of them (`checked_out`): a SET pipeline goes
+out in one sendmsg, the headers and the pool slots as separate buffers, and each GET reply is
+read with recv_into straight into the calling thread's reused buffer, so the kernel copies with
+the GIL released and the bytes are checked while still in cache. Only the RESP2 a GET's reply
+needs is read here (a string, nil or an error; the backend's connections speak RESP2, so no push
+message can arrive between replies); anything else, a short read or a timeout disconnects the
+connection and fails the run.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,9 +24,11 @@ import redis
 from redis._parsers import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 _CRLF = b"\r\n"
 _LINE_BYTES = 64 << 10  # reply lines are short; a payload's head may land here too
+_IOV_MAX = 1024  # Linux's limit on one sendmsg's buffers
 
 
 class ValueTooLarge(Exception):
@@ -35,48 +39,77 @@ class ValueTooLarge(Exception):
         self.size = size
 
 
-def set_values(client: redis.Redis, keys: Sequence[bytes],
+def set_values(conn: Any, keys: Sequence[bytes],
                values: Sequence[tuple[bytes, Any]]) -> list[Any]:
-    """SET keys[i] to values[i] = (head, body) in one pipeline, the two parts sent as they are.
-    Per key: True, or the error the node answered (MOVED, OOM, ...)."""
+    """SET keys[i] to values[i] = (head, body) in one pipeline on `conn` (from `checked_out`),
+    the two parts sent as they are. Per key: True, or the error the node answered (MOVED,
+    OOM, ...)."""
     chunks: list[Any] = []
     for key, (head, body) in zip(keys, values, strict=True):
         size = len(head) + memoryview(body).nbytes
         chunks += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head),
                    body, _CRLF]
-    with _connection(client) as conn:
-        conn.send_packed_command(chunks, check_health=False)
-        replies: list[Any] = []
-        for _ in keys:
-            try:
-                reply = conn.read_response()
-            except ResponseError as exc:  # the node's answer for this key; the stream is intact
-                reply = exc
-            replies.append(reply in (b"OK", "OK") or reply)
-        return replies
+    _send(conn, chunks)
+    replies: list[Any] = []
+    for _ in keys:
+        try:
+            reply = conn.read_response()
+        except ResponseError as exc:  # the node's answer for this key; the stream is intact
+            reply = exc
+        replies.append(reply in (b"OK", "OK") or reply)
+    return replies
 
 
-def get_values(client: redis.Redis, keys: Sequence[bytes],
+def get_values(conn: Any, keys: Sequence[bytes],
                buffer: memoryview) -> Iterator[memoryview | Exception | None]:
-    """GET `keys` in one pipeline; yields per key a view of `buffer` holding its value (valid
-    until the next item), None for a miss, or the node's error (ValueTooLarge included).
-    `client` must speak RESP2 (protocol=2)."""
-    protocol = client.connection_pool.connection_kwargs.get("protocol")
-    if str(protocol) != "2":
+    """GET `keys` in one pipeline on `conn` (from `checked_out`, speaking RESP2: protocol=2);
+    yields per key a view of `buffer` holding its value (valid until the next item), None for
+    a miss, or the node's error (ValueTooLarge included). A read left halfway disconnects
+    `conn`: its stream is out of step."""
+    if str(conn.protocol) != "2":
         raise ValueError(f"get_values reads RESP2 replies: make the client with protocol=2, "
-                         f"not protocol={protocol!r}")
+                         f"not protocol={conn.protocol!r}")
     chunks = [b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(key), key) for key in keys]
-    with _connection(client) as conn:
-        conn.send_packed_command([b"".join(chunks)], check_health=False)
-        reader = _ReplyReader(conn._sock)  # redis-py has no public handle for its socket
+    conn.send_packed_command([b"".join(chunks)], check_health=False)
+    reader = _ReplyReader(conn._sock)  # redis-py has no public handle for its socket
+    try:
         for _ in keys:
             yield reader.bulk(buffer)
         if reader.buffered:
             raise RedisConnectionError("the node sent more than the replies asked for")
+    except BaseException:  # a failure, or the caller left (GeneratorExit)
+        conn.disconnect()
+        raise
 
 
-class _connection:
-    """A connection from the client's pool, disconnected if the block left it mid-reply."""
+def _send(conn: Any, parts: list[Any]) -> None:
+    """Send a pipeline's parts with one sendmsg on a plain socket: redis-py's
+    send_packed_command makes a syscall (and, with TCP_NODELAY, a packet) of each part. TLS
+    sockets have no sendmsg: those go through redis-py."""
+    sock = conn._sock
+    if sock is None or isinstance(sock, ssl.SSLSocket):
+        conn.send_packed_command(parts, check_health=False)
+        return
+    views = [memoryview(part).cast("B") for part in parts]
+    try:
+        while views:
+            sent = sock.sendmsg(views[:_IOV_MAX])
+            while sent:  # drop what went; a part sent in part keeps its tail
+                if sent < len(views[0]):
+                    views[0], sent = views[0][sent:], 0
+                else:
+                    sent -= len(views.pop(0))
+    except TimeoutError:  # socket.timeout
+        conn.disconnect()
+        raise RedisTimeoutError("timeout writing to the node's socket") from None
+    except OSError as exc:
+        conn.disconnect()
+        raise RedisConnectionError(f"error writing to the node's socket: {exc}") from None
+
+
+class checked_out:
+    """A connection from a node client's pool for a run of pipelines; disconnected if the run
+    failed (its stream may be out of step) before it goes back."""
 
     def __init__(self, client: redis.Redis) -> None:
         self._pool = client.connection_pool
@@ -88,7 +121,7 @@ class _connection:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
-            if kind is not None:  # a failure or an abandoned generator: the stream is out of step
+            if kind is not None:
                 self._conn.disconnect()
         finally:
             self._pool.release(self._conn)
