@@ -371,10 +371,10 @@ class RedisClusterBackend(RemoteBackend):
         return [(f, futures[f]) for f in running]
 
     def _lanes(self, shares: list[_Share]) -> list[_Lane]:
-        """The shares dealt into lanes: `workers` of them at most, the same number per node
-        (at least one), each running its pipelines on one connection. A lane costs one task
-        and one connection checkout, not one per pipeline (a future and redis-py's pool cost
-        more Python per 2 MB value than the rest of a put)."""
+        """The shares dealt into lanes, `workers // nodes` per node (at least one; with more
+        nodes than workers, some lanes wait for a free thread), each running its pipelines on
+        one connection. A lane costs one task and one connection checkout, not one per pipeline
+        (a future and redis-py's pool cost more Python per 2 MB value than the rest of a put)."""
         by_node: dict[int, list[_Share]] = {}
         for client, indices in shares:
             by_node.setdefault(id(client), []).append((client, indices))
