@@ -109,10 +109,10 @@ def test_a_run_too_short_to_time_is_redone_longer_and_later_runs_keep_the_count(
     tool = RedisBenchmark(redis_cluster.url, RedisAuth.from_sources(
         redis_cluster.user, redis_cluster.password_file))
     try:
-        first = tool.run("set", 4096, 8, 3, 1)  # 8 small values: far under one tick
+        first = tool.run("set", 64 << 10, 8, 3, 1)  # 8 values: far under one tick
         assert first.requests > 8 and first.values_per_s > 0
-        again = tool.run("set", 4096, 8, 3, 1)
+        again = tool.run("set", 64 << 10, 8, 3, 1)
         assert again.requests == first.requests  # the count that timed, kept
-        assert tool.run("get", 4096, 8, 3, 1).requests > 8  # get is a kind of its own
+        assert tool.run("get", 64 << 10, 8, 3, 1).requests > 8  # get is a kind of its own
     finally:
         tool.cleanup()

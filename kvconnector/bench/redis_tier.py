@@ -46,7 +46,7 @@ BASELINE = "redis-benchmark --cluster SET/GET, same value size, one connection p
 _MIN_BASELINE_BYTES = 512 << 20  # a first guess; runs too short to time are redone longer
 _TICK_S = 0.25  # redis-benchmark's progress clock
 MIN_TICKS = 4  # progress ticks a timed run must reach: >= 1 s timed
-_MAX_ATTEMPTS = 6
+_MAX_ATTEMPTS = 8
 _TIMEOUT_S = 120.0
 _KEY_PATTERN = "key:{*}:__rand_int__"  # redis-benchmark's SET/GET key without -r
 
@@ -129,8 +129,9 @@ class RedisBenchmark:
             if ticks >= MIN_TICKS:
                 self._requests[kind] = requests
                 return BaselineRun(rate, requests)
-            # long enough for MIN_TICKS with room to spare, at the rate seen so far
-            requests = max(2 * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 1.5))
+            # twice MIN_TICKS at the rate seen so far (short runs understate it: setup, the
+            # final figure's idle wait), and at least double
+            requests = max(2 * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 2))
         raise RuntimeError(f"{TOOL} {op}: runs stayed under {MIN_TICKS} progress ticks "
                            f"({requests} requests)")
 
