@@ -71,9 +71,8 @@ _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
 
-# A node's share of a call: (its client, the indices of the keys it owns)
-_Share = tuple[redis.Redis, list[int]]
-# A lane: pipelines one pool thread runs in turn on one connection to a node
+# A node's client and pipelines (lists of key indices): all of the node's, or a lane's, which
+# one pool thread runs in turn on one connection
 _Lane = tuple[redis.Redis, list[list[int]]]
 
 
@@ -308,9 +307,10 @@ class RedisClusterBackend(RemoteBackend):
             # (maintenance notifications) between them
             protocol=2, retry=Retry(NoBackoff(), 1), **tls)
 
-    def _shares(self, cluster: RedisCluster, keys: list[bytes], per_pipeline: int,
-                answers: list[Any]) -> list[_Share]:
-        """Each node's keys, cut into pipelines; keys of uncovered slots answered here."""
+    def _node_pipelines(self, cluster: RedisCluster, keys: list[bytes], per_pipeline: int,
+                        answers: list[Any]) -> list[_Lane]:
+        """Each node's client and its keys cut into pipelines; keys of uncovered slots
+        answered here."""
         by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
         for i, key in enumerate(keys):
             try:
@@ -319,13 +319,9 @@ class RedisClusterBackend(RemoteBackend):
                 answers[i] = _describe(exc)
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
-        per_node = []
-        for node, indices in by_node.values():
-            client = cluster.get_redis_connection(node)
-            per_node.append([(client, indices[s:s + per_pipeline])
-                             for s in range(0, len(indices), per_pipeline)])
-        # Round-robin over the nodes, so the pool's threads load every master at once.
-        return [share for turn in zip_longest(*per_node) for share in turn if share is not None]
+        return [(cluster.get_redis_connection(node),
+                 [indices[s:s + per_pipeline] for s in range(0, len(indices), per_pipeline)])
+                for node, indices in by_node.values()]
 
     def _run(self, keys: list[bytes], per_pipeline: int,
              work: Callable[[Any, list[int], _Gate], None],
@@ -345,7 +341,7 @@ class RedisClusterBackend(RemoteBackend):
         futures = {self._pool.submit(_run_lane, work, client, pipelines, gate):
                    [i for indices in pipelines for i in indices]
                    for client, pipelines in self._lanes(
-                       self._shares(cluster, keys, per_pipeline, unrouted))}
+                       self._node_pipelines(cluster, keys, per_pipeline, unrouted))}
         for i, reason in enumerate(unrouted):
             if reason is not None:
                 errors[i] = reason
@@ -370,22 +366,15 @@ class RedisClusterBackend(RemoteBackend):
         gate.close()
         return [(f, futures[f]) for f in running]
 
-    def _lanes(self, shares: list[_Share]) -> list[_Lane]:
-        """The shares dealt into lanes, `workers // nodes` per node (at least one; with more
-        nodes than workers, some lanes wait for a free thread), each running its pipelines on
-        one connection. A lane costs one task and one connection checkout, not one per pipeline
-        (a future and redis-py's pool cost more Python per 2 MB value than the rest of a put)."""
-        by_node: dict[int, list[_Share]] = {}
-        for client, indices in shares:
-            by_node.setdefault(id(client), []).append((client, indices))
-        per_node = max(1, self._workers // max(1, len(by_node)))
-        lanes: list[_Lane] = []
-        for turn in range(per_node):  # round-robin over the nodes, as the shares are
-            for node_shares in by_node.values():
-                dealt = node_shares[turn::per_node]
-                if dealt:
-                    lanes.append((dealt[0][0], [indices for _, indices in dealt]))
-        return lanes
+    def _lanes(self, nodes: list[_Lane]) -> list[_Lane]:
+        """Each node's pipelines dealt into `workers // nodes` lanes (at least one; with more
+        nodes than workers, some lanes wait for a free thread), each run on one connection.
+        A lane costs one task and one connection checkout, not one per pipeline (a future and
+        redis-py's pool cost more Python per 2 MB value than the rest of a put)."""
+        per_node = max(1, self._workers // max(1, len(nodes)))
+        # round-robin over the nodes, so the pool's threads load every master at once
+        return [(client, pipelines[turn::per_node]) for turn in range(per_node)
+                for client, pipelines in nodes if pipelines[turn::per_node]]
 
     def _ask(self, verb: str, keys: Sequence[bytes], timeout_s: float | None) -> list[Any]:
         """EXISTS or DEL for each key, pipelined per node: True/False, or why not (a str)."""
@@ -393,7 +382,12 @@ class RedisClusterBackend(RemoteBackend):
         answers: list[Any] = [_LATE] * len(keys)
         deadline = time.monotonic() + self.call_timeout(timeout_s)
         cluster = self._connect(deadline)
-        shares = self._shares(cluster, keys, KEYS_PER_PIPELINE, answers)
+        # one task per pipeline, round-robin over the nodes
+        shares = [share for turn in zip_longest(*(
+            [(client, indices) for indices in pipelines]
+            for client, pipelines in self._node_pipelines(cluster, keys, KEYS_PER_PIPELINE,
+                                                          answers)))
+            for share in turn if share is not None]
 
         def ask(client: redis.Redis, indices: list[int]) -> None:
             pipe = client.pipeline(transaction=False)
