@@ -105,14 +105,28 @@ def test_progress_rate_refuses_output_without_a_rate(stdout: str) -> None:
 
 @pytest.mark.skipif(not shutil.which("redis-benchmark"), reason="needs redis-benchmark")
 def test_a_run_too_short_to_time_is_redone_longer_and_later_runs_keep_the_count(
-        redis_cluster: LocalRedisCluster) -> None:
+        redis_cluster: LocalRedisCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     tool = RedisBenchmark(redis_cluster.url, RedisAuth.from_sources(
         redis_cluster.user, redis_cluster.password_file))
+    started: list[tuple[str, int]] = []  # (op, -n) of every real redis-benchmark run
+    real_run = tool._run_checked
+
+    def recorded(op: str, value_bytes: int, requests: int, clients: int, pipeline: int) -> str:
+        started.append((op, requests))
+        return real_run(op, value_bytes, requests, clients, pipeline)
+
+    monkeypatch.setattr(tool, "_run_checked", recorded)
     try:
         first = tool.run("set", 64 << 10, 8, 3, 1)  # 8 values: far under one tick
-        assert first.requests > 8 and first.values_per_s > 0
+        assert started[0] == ("set", 8) and len(started) >= 2
+        assert first.requests == started[-1][1] > 8 and first.values_per_s > 0
+        started.clear()
+        # the count that timed is where the next run of the kind starts (longer only if this
+        # run happens to be too short again)
         again = tool.run("set", 64 << 10, 8, 3, 1)
-        assert again.requests == first.requests  # the count that timed, kept
+        assert started[0] == ("set", first.requests) and again.requests >= first.requests
+        started.clear()
         assert tool.run("get", 64 << 10, 8, 3, 1).requests > 8  # get is a kind of its own
+        assert started[0] == ("get", 8)
     finally:
         tool.cleanup()

@@ -263,6 +263,50 @@ def test_a_master_killed_mid_get_fails_only_its_blocks(redis_cluster_factory: Fa
         assert set(after.statuses) == {BlockStatus.MISSING}, after.errors
 
 
+def test_a_failed_over_master_is_followed_to_its_replica(redis_cluster_factory: Factory) -> None:
+    """A replica per master: a killed master's blocks fail within the deadline until its replica
+    takes over; the same backend then finds them there, bit-exact, and writes there."""
+    cluster = redis_cluster_factory(replicas=1)
+    count = 24
+    source, target, names, on_victim = stored_with_victim(cluster, count, seed=11, victim=1)
+    cluster.wait_replicated()  # replication is asynchronous: what was not copied would be lost
+    with backend(cluster, target, timeout_s=2.0) as reader:
+        assert reader.get(names, range(count)).all_ok  # connected, with the old slot map
+        cluster.kill(1)
+        target.fill_(POISON)
+        started = time.monotonic()
+        got = reader.get(names, range(count))
+        assert time.monotonic() - started < 3.0
+        assert got.ok == tuple(not v for v in on_victim), got.errors
+        assert {s for s, v in zip(got.statuses, on_victim, strict=True) if v} == {
+            BlockStatus.FAILED}
+        assert_slots(target, source, got.ok)
+        promoted = cluster.wait_for_failover(1)
+        assert promoted in cluster.replica_indices(1)
+        tries = 0
+        while True:  # the backend re-reads the slot map after a failure, in the background
+            tries += 1
+            target.fill_(POISON)
+            started = time.monotonic()
+            got = reader.get(names, range(count))
+            assert time.monotonic() - started < 3.0
+            assert_slots(target, source, got.ok)
+            assert all(got.ok[i] for i, v in enumerate(on_victim) if not v)
+            if got.all_ok or tries == 20:
+                break
+            time.sleep(0.25)
+        assert got.all_ok, got.errors
+        # New blocks in the failed master's slots land on the promoted replica.
+        fresh_names = keys(count, start=1000)
+        fresh = pool(count, seed=12)
+        with backend(cluster, fresh) as writer:
+            assert writer.put(fresh_names, range(count)).all_ok
+        target.fill_(POISON)
+        assert reader.get(fresh_names, range(count)).all_ok
+        assert torch.equal(target, fresh)
+        assert any(m == 1 for m in masters_of(cluster, fresh_names))
+
+
 def test_a_stalled_master_costs_its_blocks_the_deadline_and_never_writes_late(
         redis_cluster_factory: Factory) -> None:
     cluster = redis_cluster_factory()

@@ -14,7 +14,7 @@ redis = pytest.importorskip("redis")
 from redis.backoff import NoBackoff  # noqa: E402
 from redis.retry import Retry  # noqa: E402
 
-from transfer.remote import redis_local  # noqa: E402
+from transfer.remote import redis_certs  # noqa: E402
 from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -163,8 +163,8 @@ def test_tls_cluster(redis_cluster_factory: Factory, monkeypatch: pytest.MonkeyP
                      certs: str) -> None:
     if certs == "cryptography":
         pytest.importorskip("cryptography")
-        monkeypatch.setattr(redis_local, "_openssl", lambda: None)
-    elif redis_local._openssl() is None:
+        monkeypatch.setattr(redis_certs, "_openssl", lambda: None)
+    elif redis_certs._openssl() is None:
         pytest.skip("no openssl CLI")
     cluster = redis_cluster_factory(tls=True)
     assert cluster.ca_file is not None and cluster.ca_file.is_file()
@@ -207,3 +207,29 @@ def test_missing_redis_server_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RuntimeError, match="redis-server is not on PATH"):
         LocalRedisCluster()
+
+
+def test_replicas_take_a_killed_masters_slots_over(redis_cluster_factory: Factory) -> None:
+    with pytest.raises(ValueError, match="replicas must be >= 0, got -1"):
+        LocalRedisCluster(replicas=-1)
+    cluster = redis_cluster_factory(replicas=1)  # a failover needs a majority of masters
+    assert len(cluster.nodes) == 6
+    assert [cluster.replica_indices(m) for m in range(3)] == [[3], [4], [5]]
+    with cluster.node_client(0) as client:
+        slots = sorted(client.execute_command("CLUSTER", "SLOTS"))
+    ports = [port for _, port in cluster.nodes]
+    assert [(int(e[0]), int(e[1]), [int(n[1]) for n in e[2:]]) for e in slots] == [
+        (0, 5460, [ports[0], ports[3]]), (5461, 10922, [ports[1], ports[4]]),
+        (10923, 16383, [ports[2], ports[5]])]
+    by_master = _keys_by_master(cluster, 200)
+    with cluster.admin() as admin:
+        for key in by_master[1]:
+            assert admin.set(key, key * 100) is True
+    cluster.wait_replicated()
+    cluster.kill(1)
+    assert cluster.wait_for_failover(1) == 4
+    with cluster.admin() as admin:  # every key written before the kill, from the replica
+        assert [admin.get(key) for key in by_master[1]] == [key * 100 for key in by_master[1]]
+    cluster.restart(1)  # the old master comes back as the new one's replica
+    with cluster.node_client(1) as client:
+        assert client.info("replication")["role"] == "slave"

@@ -41,6 +41,7 @@ from transfer.keys import Namespace
 from transfer.remote.backend import RemoteBackend, TransferResult, check_positive
 from transfer.remote.connection import StoreError
 from transfer.remote.protocol import BlockStatus
+from transfer.remote.redis_lanes import Gate, Lane, deal_lanes, run_lane
 from transfer.remote.redis_values import (
     HEADER_BYTES,
     VALUE_VERSION,
@@ -51,7 +52,7 @@ from transfer.remote.redis_values import (
     redis_key,
     value_header,
 )
-from transfer.remote.redis_wire import ValueTooLarge, checked_out, get_values, set_values
+from transfer.remote.redis_wire import ValueTooLarge, get_values, set_values
 
 if TYPE_CHECKING:
     import torch
@@ -59,9 +60,10 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT_S = 5.0
 # One large value per pipeline: Redis reads a big argument straight into place only at the head
 # of its input buffer, so deep pipelines of 2 MB values slow the server; parallelism comes from
-# lanes instead (`_lanes`): workers // masters connections per master, each sending its values in
-# turn, so one lane checksums the next value while another's is on the wire. 8 workers (2 lanes
-# per master of 3) measured best on 16 cores; 12 and 16 lost 4-client puts, 3 lost 1-client ones.
+# lanes instead (`redis_lanes.deal_lanes`): workers // masters connections per master, each
+# sending its values in turn, so one lane checksums the next value while another's is on the
+# wire. 8 workers (2 lanes per master of 3) measured best on 16 cores; 12 and 16 lost 4-client
+# puts, 3 lost 1-client ones.
 DEFAULT_BATCH_BYTES = 4 << 20
 DEFAULT_WORKERS = 8
 KEYS_PER_PIPELINE = 1024  # lookups, exists, deletes
@@ -70,40 +72,6 @@ _REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
-
-# A node's client and pipelines (lists of key indices): all of the node's, or a lane's, which
-# one pool thread runs in turn on one connection
-_Lane = tuple[redis.Redis, list[list[int]]]
-
-
-class _Gate:
-    """Lets node threads write into pool slots only until their call has returned."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = True
-        self._writers = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
-    def enter(self) -> bool:
-        with self._cond:
-            if self._open:
-                self._writers += 1
-            return self._open
-
-    def leave(self) -> None:
-        with self._cond:
-            self._writers -= 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._open = False
-            self._cond.wait_for(lambda: self._writers == 0)  # at most one block's copy
-
 
 class RedisClusterBackend(RemoteBackend):
     """A Redis Cluster as the remote tier for one namespace and (for put/get) one pool.
@@ -151,13 +119,13 @@ class RedisClusterBackend(RemoteBackend):
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [_LATE] * len(keys)
 
-        def send(conn: Any, indices: list[int], gate: _Gate) -> None:
+        def send(conn: Any, indices: list[int], gate: Gate) -> None:
             values = [(value_header(keys[i], rows[slots[i]]), rows[slots[i]]) for i in indices]
             replies = set_values(conn, [redis_key(keys[i]) for i in indices], values)
             for i, reply in zip(indices, replies, strict=True):
                 statuses[i], errors[i] = _put_status(reply)
 
-        def resend(i: int, cluster: RedisCluster, gate: _Gate) -> None:
+        def resend(i: int, cluster: RedisCluster, gate: Gate) -> None:
             statuses[i], errors[i] = _put_status(
                 cluster.set(redis_key(keys[i]), encode_value(keys[i], rows[slots[i]])))
 
@@ -176,7 +144,7 @@ class RedisClusterBackend(RemoteBackend):
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [_LATE] * len(keys)
 
-        def land(i: int, reply: Any, gate: _Gate) -> None:
+        def land(i: int, reply: Any, gate: Gate) -> None:
             if isinstance(reply, ValueTooLarge):
                 statuses[i], errors[i] = BlockStatus.SIZE, str(reply)
                 return
@@ -198,7 +166,7 @@ class RedisClusterBackend(RemoteBackend):
             else:
                 statuses[i], errors[i] = status, error
 
-        def fetch(conn: Any, indices: list[int], gate: _Gate) -> None:
+        def fetch(conn: Any, indices: list[int], gate: Gate) -> None:
             replies = get_values(conn, [redis_key(keys[i]) for i in indices], self._buffer())
             for i, reply in zip(indices, replies, strict=True):
                 if isinstance(reply, _REDIRECTS):
@@ -206,7 +174,7 @@ class RedisClusterBackend(RemoteBackend):
                 else:
                     land(i, reply, gate)
 
-        def refetch(i: int, cluster: RedisCluster, gate: _Gate) -> None:
+        def refetch(i: int, cluster: RedisCluster, gate: Gate) -> None:
             land(i, cluster.get(redis_key(keys[i])), gate)
 
         self._run(keys, self._blocks_per_pipeline, fetch, refetch, statuses, errors, timeout_s)
@@ -308,7 +276,7 @@ class RedisClusterBackend(RemoteBackend):
             protocol=2, retry=Retry(NoBackoff(), 1), **tls)
 
     def _node_pipelines(self, cluster: RedisCluster, keys: list[bytes], per_pipeline: int,
-                        answers: list[Any]) -> list[_Lane]:
+                        answers: list[Any]) -> list[Lane]:
         """Each node's client and its keys cut into pipelines; keys of uncovered slots
         answered here."""
         by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
@@ -324,10 +292,10 @@ class RedisClusterBackend(RemoteBackend):
                 for node, indices in by_node.values()]
 
     def _run(self, keys: list[bytes], per_pipeline: int,
-             work: Callable[[Any, list[int], _Gate], None],
-             redo: Callable[[int, RedisCluster, _Gate], None], statuses: list[BlockStatus],
+             work: Callable[[Any, list[int], Gate], None],
+             redo: Callable[[int, RedisCluster, Gate], None], statuses: list[BlockStatus],
              errors: list[str], timeout_s: float | None) -> list[tuple[Future[Any], list[int]]]:
-        """Runs `work` on every pipeline, in lanes (`_lanes`) on the pool's threads, until the
+        """Runs `work` on every pipeline, in lanes (`deal_lanes`) on the pool's threads, until the
         deadline, then `redo` for redirected keys. Returns the lanes still running (abandoned:
         they stop at their next pipeline) with their futures and keys."""
         deadline = time.monotonic() + self.call_timeout(timeout_s)
@@ -336,12 +304,13 @@ class RedisClusterBackend(RemoteBackend):
         except StoreError as exc:
             errors[:] = [str(exc)] * len(keys)
             return []
-        gate = _Gate()
+        gate = Gate()
         unrouted: list[Any] = [None] * len(keys)
-        futures = {self._pool.submit(_run_lane, work, client, pipelines, gate):
+        futures = {self._pool.submit(run_lane, work, client, pipelines, gate):
                    [i for indices in pipelines for i in indices]
-                   for client, pipelines in self._lanes(
-                       self._node_pipelines(cluster, keys, per_pipeline, unrouted))}
+                   for client, pipelines in deal_lanes(
+                       self._node_pipelines(cluster, keys, per_pipeline, unrouted),
+                       self._workers)}
         for i, reason in enumerate(unrouted):
             if reason is not None:
                 errors[i] = reason
@@ -365,16 +334,6 @@ class RedisClusterBackend(RemoteBackend):
                     statuses[i], errors[i] = BlockStatus.FAILED, _describe(exc)
         gate.close()
         return [(f, futures[f]) for f in running]
-
-    def _lanes(self, nodes: list[_Lane]) -> list[_Lane]:
-        """Each node's pipelines dealt into `workers // nodes` lanes (at least one; with more
-        nodes than workers, some lanes wait for a free thread), each run on one connection.
-        A lane costs one task and one connection checkout, not one per pipeline (a future and
-        redis-py's pool cost more Python per 2 MB value than the rest of a put)."""
-        per_node = max(1, self._workers // max(1, len(nodes)))
-        # round-robin over the nodes, so the pool's threads load every master at once
-        return [(client, pipelines[turn::per_node]) for turn in range(per_node)
-                for client, pipelines in nodes if pipelines[turn::per_node]]
 
     def _ask(self, verb: str, keys: Sequence[bytes], timeout_s: float | None) -> list[Any]:
         """EXISTS or DEL for each key, pipelined per node: True/False, or why not (a str)."""
@@ -407,16 +366,6 @@ class RedisClusterBackend(RemoteBackend):
 
 
 _REDIRECT_TEXT = "redirected: "
-
-
-def _run_lane(work: Callable[[Any, list[int], _Gate], None], client: redis.Redis,
-              pipelines: list[list[int]], gate: _Gate) -> None:
-    """A lane: its pipelines in turn on one connection, until its call has returned."""
-    with checked_out(client) as conn:
-        for indices in pipelines:
-            if not gate.is_open:
-                return
-            work(conn, indices, gate)
 
 
 def _put_status(reply: Any) -> tuple[BlockStatus, str]:

@@ -1,8 +1,9 @@
 """A real local Redis Cluster (Debian's redis-server) for tests and benchmarks.
 
 LocalRedisCluster starts `masters` redis-server processes on free 127.0.0.1 ports in a private
-temp dir, forms a cluster of masters only (no replicas) with the slots split evenly, and tears it
-all down on stop(), at interpreter exit, or when the object is collected.
+temp dir, forms a cluster with the slots split evenly over them (and `replicas` replicas of each
+master, if asked), and tears it all down on stop(), at interpreter exit, or when the object is
+collected.
 
 Auth is an ACL user with a random password (the `default` user is off); the password lives only
 in each node's 0600 config file and in `password_file`, never on a command line. With tls=True
@@ -32,6 +33,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
+from transfer.remote import redis_certs
+
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0
 CONVERGE_TIMEOUT_S = 30.0
@@ -53,91 +56,16 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _cluster_info(client: redis.Redis) -> dict[str, str]:
+    info = client.execute_command("CLUSTER", "INFO")
+    info = info.decode() if isinstance(info, bytes) else str(info)
+    return dict(line.split(":", 1) for line in info.split() if ":" in line)
+
+
 def _slot_ranges(masters: int) -> list[tuple[int, int]]:
     """0..16383 split into `masters` contiguous, near-equal ranges (inclusive ends)."""
     bounds = [round(i * REDIS_CLUSTER_HASH_SLOTS / masters) for i in range(masters + 1)]
     return [(bounds[i], bounds[i + 1] - 1) for i in range(masters)]
-
-
-def _openssl() -> str | None:
-    return shutil.which("openssl")
-
-
-def _make_certs(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a CA-signed cert for 127.0.0.1; returns (ca, cert, key) paths."""
-    ca, cert, key = directory / "ca.crt", directory / "server.crt", directory / "server.key"
-    openssl = _openssl()
-    if openssl is not None:
-        ca_key, csr, ext = directory / "ca.key", directory / "server.csr", directory / "server.ext"
-        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        ext.write_text("basicConstraints=critical,CA:FALSE\n"
-                       "keyUsage=critical,digitalSignature,keyEncipherment\n"
-                       # serverAuth for clients; clientAuth because nodes dial each other's bus
-                       "extendedKeyUsage=serverAuth,clientAuth\n"
-                       "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                       "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
-        for args in (
-            ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2",
-             "-subj", "/CN=kvconnector test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-            ["req", "-new", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
-            ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-             "-out", cert, "-days", "2", "-extfile", ext],
-        ):
-            subprocess.run([openssl, *map(str, args)], check=True, capture_output=True)
-        return ca, cert, key
-    try:
-        from cryptography import x509  # noqa: F401
-    except ImportError:
-        raise RuntimeError("tls=True needs the `openssl` CLI on PATH or the `cryptography` "
-                           "package to make a throwaway CA") from None
-    return _make_certs_cryptography(ca, cert, key)
-
-
-def _make_certs_cryptography(ca: Path, cert: Path, key: Path) -> tuple[Path, Path, Path]:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
-        ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvconnector test CA")])
-
-    def builder(subject: x509.Name, public_key: Any) -> x509.CertificateBuilder:
-        return (x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name)
-                .public_key(public_key).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False))
-
-    ca_cert = (builder(ca_name, ca_key.public_key())
-               .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-               .add_extension(x509.KeyUsage(False, False, False, False, False, True, True,
-                                            False, False), True)
-               .sign(ca_key, hashes.SHA256()))
-    server_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, HOST)])
-    server_cert = (
-        builder(server_name, server_key.public_key())
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                              ExtendedKeyUsageOID.CLIENT_AUTH]), False)
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HOST)),
-                                                    x509.DNSName("localhost")]), False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-            ca_key.public_key()), False)
-        .sign(ca_key, hashes.SHA256()))
-    pem = serialization.Encoding.PEM
-    ca.write_bytes(ca_cert.public_bytes(pem))
-    cert.write_bytes(server_cert.public_bytes(pem))
-    key.write_bytes(server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()))
-    return ca, cert, key
 
 
 class _Processes:
@@ -163,15 +91,20 @@ class _Processes:
 class LocalRedisCluster:
     """`masters` redis-server processes forming one Redis Cluster on 127.0.0.1 (a context manager).
 
-    Without replicas a killed master's slots stay unserved until restart(); the survivors keep
-    serving theirs (cluster-require-full-coverage no).
+    Nodes 0..masters-1 are the masters as formed; with replicas, master i's replicas follow
+    (`replica_indices(i)`). Without replicas a killed master's slots stay unserved until
+    restart(); the survivors keep serving theirs (cluster-require-full-coverage no). With them,
+    a replica takes a killed master's slots over after about `node_timeout_ms`
+    (`wait_for_failover`).
     """
 
-    def __init__(self, masters: int = 3, *, maxmemory: int | None = None,
+    def __init__(self, masters: int = 3, *, replicas: int = 0, maxmemory: int | None = None,
                  user: str = "kvconnector", tls: bool = False,
                  node_timeout_ms: int = 1000) -> None:
         if masters < 1:
             raise ValueError(f"masters must be >= 1, got {masters}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
         self._server = shutil.which("redis-server")
         if self._server is None:
             raise RuntimeError("redis-server is not on PATH: install Debian's redis-server "
@@ -182,15 +115,16 @@ class LocalRedisCluster:
         self._tls = tls
         self._node_timeout_ms = node_timeout_ms
         self._ranges = _slot_ranges(masters)
+        self._replicas = replicas
         self._root = Path(tempfile.mkdtemp(prefix="kvc-redis-"))  # 0700
-        self._state = _Processes(masters, self._root)
+        self._state = _Processes(masters * (1 + replicas), self._root)
         self._finalizer = weakref.finalize(self, self._state.stop)  # also runs at exit
         self._ports: list[int] = []
         self._bus_ports: list[int] = []
         self._password_file = self._root / "password"
         self._password_file.touch(mode=0o600)
         self._password_file.write_text(self._password + "\n")
-        self._certs = _make_certs(self._root) if tls else None
+        self._certs = redis_certs.make_certs(self._root) if tls else None
         try:
             self._start_all()
             self._form()
@@ -247,8 +181,47 @@ class LocalRedisCluster:
         return RedisCluster(startup_nodes=startup, **options)
 
     def master_index_for_key(self, key: bytes) -> int:
-        """Index (into `nodes`) of the master owning the key's slot (hash tags honoured)."""
+        """Index (into `nodes`) of the master, as formed, owning the key's slot (hash tags
+        honoured). After a failover one of its `replica_indices` serves the slot."""
         return self._index_for_slot(key_slot(key))
+
+    def replica_indices(self, master: int) -> list[int]:
+        """Indices (into `nodes`) of the replicas formed for master `master`."""
+        start = len(self._ranges) + master * self._replicas
+        return list(range(start, start + self._replicas))
+
+    def wait_replicated(self) -> None:
+        """Wait until every live replica has applied all its master's writes so far."""
+        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        for master in range(len(self._ranges)):
+            with self.node_client(master) as client:
+                target = client.info("replication")["master_repl_offset"]
+            for replica in self.replica_indices(master):
+                with self.node_client(replica) as client:
+                    while client.info("replication").get("slave_repl_offset", -1) < target:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"replica {replica} of master {master} still "
+                                               f"behind offset {target}")
+                        time.sleep(_POLL_S)
+
+    def wait_for_failover(self, master: int) -> int:
+        """After kill(master): wait until one of its replicas serves its slots and every live
+        node says the cluster is ok; returns that replica's index. (A failover needs the votes
+        of a majority of masters: 3 or more.)"""
+        low, _ = self._ranges[master]
+        ports = {self._ports[i]: i for i in self.replica_indices(master)}
+        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        while True:
+            try:
+                owner = self._slot_owner(low)
+                if owner in ports and self._live_nodes_ok():
+                    return ports[owner]
+            except (redis.ConnectionError, redis.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica of master {master} took its slots over in "
+                                   f"{CONVERGE_TIMEOUT_S:.0f} s")
+            time.sleep(_POLL_S * 2)
 
     def kill(self, index: int) -> None:
         """SIGKILL one node and wait for the process to be gone (no-op if already down)."""
@@ -294,6 +267,24 @@ class LocalRedisCluster:
             options.update(ssl=True, ssl_ca_certs=str(self._certs[0]))
         return options
 
+    def _live(self) -> list[int]:
+        return [i for i, p in enumerate(self._state.procs) if p is not None and p.poll() is None]
+
+    def _slot_owner(self, slot: int) -> int:
+        """Port of the node a live node says serves `slot`."""
+        with self.node_client(self._live()[0], socket_timeout=1.0) as client:
+            for entry in client.execute_command("CLUSTER", "SLOTS"):
+                if int(entry[0]) <= slot <= int(entry[1]):
+                    return int(entry[2][1])
+        return -1
+
+    def _live_nodes_ok(self) -> bool:
+        for index in self._live():
+            with self.node_client(index, socket_timeout=1.0) as client:
+                if _cluster_info(client).get("cluster_state") != "ok":
+                    return False
+        return True
+
     def _index_for_slot(self, slot: int) -> int:
         for index, (low, high) in enumerate(self._ranges):
             if low <= slot <= high:
@@ -317,6 +308,11 @@ class LocalRedisCluster:
             f"maxmemory {self._maxmemory or 0}", "maxmemory-policy allkeys-lru",
             "user default off",
             f"user {self._user} on >{self._password} ~* &* +@all",
+            # a replica syncs from its master as the same ACL user
+            f"masteruser {self._user}", f"masterauth {self._password}",
+            # first sync at once, not after 5 s; a replica is listed in CLUSTER SLOTS once its
+            # offset moves, which the master's pings (every 10 s by default) make happen
+            "repl-diskless-sync-delay 0", "repl-ping-replica-period 1",
         ]
         if self._certs:
             ca, cert, key = self._certs
@@ -340,7 +336,7 @@ class LocalRedisCluster:
                 stdout=log, stderr=subprocess.STDOUT)
 
     def _start_all(self) -> None:
-        count = len(self._ranges)
+        count = len(self._state.procs)
         for attempt in range(3):
             ports = _free_ports(2 * count)
             self._ports, self._bus_ports = ports[:count], ports[count:]
@@ -381,40 +377,58 @@ class LocalRedisCluster:
             client.close()
 
     def _form(self) -> None:
-        clients = [self.node_client(i) for i in range(len(self._ranges))]
+        clients = [self.node_client(i) for i in range(len(self._state.procs))]
         try:
-            pairs = zip(clients, self._ranges, strict=True)
-            for epoch, (client, (low, high)) in enumerate(pairs, 1):
-                client.execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
+            for epoch, (low, high) in enumerate(self._ranges, 1):
+                clients[epoch - 1].execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
                 # distinct epochs up front, as redis-cli --cluster create does
-                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
+                clients[epoch - 1].execute_command("CLUSTER", "SET-CONFIG-EPOCH", epoch)
             for port, bus in zip(self._ports[1:], self._bus_ports[1:], strict=True):
                 clients[0].execute_command("CLUSTER", "MEET", HOST, port, bus)
+            for master in range(len(self._ranges)):
+                master_id = clients[master].execute_command("CLUSTER", "MYID")
+                for replica in self.replica_indices(master):
+                    self._replicate(clients[replica], master_id)
         finally:
             for client in clients:
                 client.close()
         self._wait_converged()
 
+    def _replicate(self, client: redis.Redis, master_id: bytes | str) -> None:
+        """CLUSTER REPLICATE, retried until the node has heard of the master (gossip)."""
+        deadline = time.monotonic() + CONVERGE_TIMEOUT_S
+        while True:
+            try:
+                client.execute_command("CLUSTER", "REPLICATE", master_id)
+                return
+            except redis.ResponseError:  # "Unknown node": MEET has not reached it yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(_POLL_S)
+
     def _convergence_problem(self) -> str | None:
-        """None when every node is ok, knows all nodes, flags none failed, has our slot map."""
-        expected = sorted((low, high, port)
-                          for (low, high), port in zip(self._ranges, self._ports, strict=True))
-        for index in range(len(self._ranges)):
+        """None when every node is ok, knows all nodes, flags none failed, and has our slot map:
+        each range served by its master as formed or one of its replicas (after a failover),
+        with all the other nodes of that group as its replicas."""
+        groups = [{self._ports[i] for i in (master, *self.replica_indices(master))}
+                  for master in range(len(self._ranges))]
+        expected = sorted((low, high, group) for (low, high), group
+                          in zip(self._ranges, map(sorted, groups), strict=True))
+        for index in range(len(self._state.procs)):
             client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
             try:
-                info = client.execute_command("CLUSTER", "INFO")
-                info = info.decode() if isinstance(info, bytes) else str(info)
-                fields = dict(line.split(":", 1) for line in info.split() if ":" in line)
+                fields = _cluster_info(client)
                 if fields.get("cluster_state") != "ok":
                     return f"node {index}: cluster_state={fields.get('cluster_state')}"
-                if fields.get("cluster_known_nodes") != str(len(self._ranges)):
+                if fields.get("cluster_known_nodes") != str(len(self._state.procs)):
                     return f"node {index}: knows {fields.get('cluster_known_nodes')} nodes"
                 raw_nodes = client.execute_command("CLUSTER", "NODES")
                 if isinstance(raw_nodes, bytes):
                     raw_nodes = raw_nodes.decode()
                 if isinstance(raw_nodes, str) and "fail" in raw_nodes:
                     return f"node {index} flags a node as failing"
-                slots = sorted((int(entry[0]), int(entry[1]), int(entry[2][1]))
+                slots = sorted((int(entry[0]), int(entry[1]),
+                                sorted(int(node[1]) for node in entry[2:]))
                                for entry in client.execute_command("CLUSTER", "SLOTS"))
                 if slots != expected:
                     return f"node {index}: slot map {slots} != {expected}"
