@@ -41,14 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvconnector.layout import HOST_ALIGNMENT, round_up
-from kvconnector.offload_scheduler import JobReport, OffloadCounters, OffloadScheduler, StepJobs
+from kvconnector.offload_scheduler import JobReport, OffloadScheduler, StepJobs
 from kvconnector.offload_worker import OffloadWorker
 from kvconnector.options import ConnectorOptions
 from kvconnector.registry import decide
 from kvconnector.remote_tier import RemoteFetcher, RemoteLookups
+from kvconnector.vllm_stats import OffloadPromMetrics, OffloadStats
 from transfer.copy_backends import CopyBackend, make_backend
 from transfer.keys import Namespace
 
@@ -420,61 +420,3 @@ def _namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layers: int
                      block_layout=block_layout, tp_size=tp_size,
                      hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                      hash_seed=os.environ.get("PYTHONHASHSEED", ""))
-
-
-_GAUGES = ("jobs_in_flight",)
-
-
-@dataclass
-class OffloadStats(KVConnectorStats):
-    """OffloadCounters as vLLM stats: counters add up, the in-flight gauge keeps the latest and
-    goes out with the next counter change."""
-
-    def __post_init__(self) -> None:
-        self.data = {**asdict(OffloadCounters()), **self.data}
-
-    def reset(self) -> None:
-        self.data = asdict(OffloadCounters())
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key, value in other.data.items():
-            self.data[key] = value if key in _GAUGES else self.data.get(key, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        asked = d["hit_tokens"] + d["miss_tokens"]
-        return {
-            **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()},
-            "hit_rate": round(d["hit_tokens"] / asked, 4) if asked else 0.0,
-            "load_GBps": round(d["load_bytes"] / d["load_seconds"] / 1e9, 2)
-            if d["load_seconds"] else 0.0,
-            "store_GBps": round(d["store_bytes"] / d["store_seconds"] / 1e9, 2)
-            if d["store_seconds"] else 0.0,
-        }
-
-    def is_empty(self) -> bool:
-        return not any(v for k, v in self.data.items() if k not in _GAUGES)
-
-
-class OffloadPromMetrics(KVConnectorPromMetrics):
-    """Prometheus: one counter per OffloadCounters field (vllm:kvconnector_<name>), one gauge."""
-
-    def __init__(self, vllm_config: VllmConfig,
-                 metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._metrics: dict[str, dict[int, PromMetric]] = {}
-        for name in asdict(OffloadCounters()):
-            kind = self._gauge_cls if name in _GAUGES else self._counter_cls
-            metric = kind(name=f"vllm:kvconnector_{name}", labelnames=labelnames,
-                          documentation=f"CrossLayerOffloadConnector CPU tier: {name}")
-            self._metrics[name] = create_metric_per_engine(metric, per_engine_labelvalues)
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            metric = self._metrics[name][engine_idx]
-            if name in _GAUGES:
-                metric.set(value)
-            elif value:
-                metric.inc(value)

@@ -40,11 +40,11 @@ from kvconnector.vllm import (  # noqa: E402
     CUDA_AUTO_BACKENDS,
     ConnectorOptions,
     CrossLayerOffloadConnector,
-    OffloadStats,
     _largest_pp_stage,
     required_layout,
     slot_order,
 )
+from kvconnector.vllm_stats import OffloadStats  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -24,8 +24,8 @@ from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_comple
 from kvconnector.vllm import (  # noqa: E402
     ConnectorOptions,
     CrossLayerOffloadConnector,
-    OffloadStats,
 )
+from kvconnector.vllm_stats import OffloadStats  # noqa: E402
 from transfer.remote.client import StoreClient  # noqa: E402
 from transfer.remote.security import Security  # noqa: E402
 from transfer.remote.testing import StoreProcess  # noqa: E402
