@@ -158,7 +158,7 @@ class LocalRedisCluster:
     @property
     def pids(self) -> list[int]:
         """PIDs of the live redis-server processes (index order, killed ones left out)."""
-        return [p.pid for p in self._state.procs if p is not None and p.poll() is None]
+        return [self._state.procs[i].pid for i in self._live()]
 
     @property
     def ca_file(self) -> Path | None:
