@@ -8,7 +8,7 @@ import sys
 
 # subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
 _SUBCOMMANDS = {
-    "backends": "kvconnector.registry",
+    "backends": "kvconnector.backends_cli",
     "bench": "kvconnector.bench",
     "store": "transfer.remote.cli",
 }

@@ -13,11 +13,9 @@ a lookup runs: importing this module never imports it.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import importlib.util
-import json
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -351,7 +349,8 @@ def decide(backend_names: Iterable[str], compute_capability: tuple[int, int] | N
     common = [o for o in BLOCK_MAJOR_ORDERS if all(o in lays for lays in accepted.values())]
     if not refusals and not common:
         refusals.append(Refusal(", ".join(accepted), "no block-outermost layout accepted by all: "
-                                + "; ".join(f"{n} {_show(lays)}" for n, lays in accepted.items()),
+                                + "; ".join(f"{n} {show_layouts(lays)}"
+                                            for n, lays in accepted.items()),
                                 "; ".join(source for _, source in sources)))
     if refusals:
         return LayoutDecision(None, names, tuple(refusals), layout_sources=tuple(sources))
@@ -375,7 +374,7 @@ def _apply_constraints(entry: BackendEntry, declared: DeclaredLayouts, kv_dtype:
             needs.append(f"{entry.name}: {constraint.detail}")
     if not layouts:
         return (), Refusal(entry.name, f"accepts no block-outermost layout (declares "
-                           f"{_show(declared.layouts)}; KV dtype {dtype!r})",
+                           f"{show_layouts(declared.layouts)}; KV dtype {dtype!r})",
                            declared.source), needs
     return layouts, None, needs
 
@@ -386,72 +385,6 @@ def parse_compute_capability(text: str) -> tuple[int, int]:
     if not (dot and major.isdigit() and minor.isdigit()):
         raise ValueError(f"compute capability must be MAJOR.MINOR (e.g. 9.0, 10.0), got {text!r}")
     return int(major), int(minor)
-
-
-def backend_rows(compute_capability: tuple[int, int] | None = None, use_vllm: bool = True
-                 ) -> list[dict[str, Any]]:
-    """One JSON-ready dict per registered backend (what `kvconnector backends` prints)."""
-    rows = []
-    for entry in registered_backends():
-        declared = declared_layouts(entry, compute_capability, use_vllm)
-        rows.append({
-            "name": entry.name, "view": entry.view.value, "reads_strides": entry.reads_strides,
-            "layouts": None if declared.layouts is None else list(declared.layouts),
-            "block_outermost": list(declared.block_outermost) if entry.reads_strides else [],
-            "layouts_by_cc": {str(major): None if lay is None else list(lay)
-                              for major, lay in entry.layouts_by_cc},
-            "layouts_source": declared.source, "layouts_live": declared.live,
-            "constraints": [{"kind": c.kind.value, "detail": c.detail, "evidence": c.evidence}
-                            for c in entry.constraints],
-            "evidence": entry.evidence, "vllm_class": entry.vllm_class,
-        })
-    return rows
-
-
-def add_parser(subparsers: Any) -> None:
-    """Register `kvconnector backends`: the registry as a table, or as JSON."""
-    parser = subparsers.add_parser(
-        "backends", help="attention backends and whether they may read block-major layer views",
-        description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--compute-capability", type=_cc_arg, metavar="MAJOR.MINOR",
-                        help="the GPU's compute capability (default: vLLM's view of this "
-                        "device, else what every device accepts)")
-    parser.add_argument("--no-vllm", action="store_true",
-                        help="print the recorded layouts without importing vLLM")
-    parser.set_defaults(func=_run_backends)
-
-
-def _run_backends(args: argparse.Namespace) -> int:
-    rows = backend_rows(args.compute_capability, use_vllm=not args.no_vllm)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    table = [("NAME", "VIEW", "LAYOUTS", "BLOCK-OUTERMOST", "READS STRIDES", "CONSTRAINTS",
-              "EVIDENCE")] + [(
-                  r["name"], r["view"], _show(r["layouts"]) + "".join(
-                      f" [cc {m}: {_show(lay)}]" for m, lay in r["layouts_by_cc"].items()),
-                  _show(r["block_outermost"]) if r["block_outermost"] else "-",
-                  "yes" if r["reads_strides"] else "no",
-                  ",".join(c["kind"] for c in r["constraints"]) or "-", r["evidence"],
-              ) for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  "
-              + row[-1])
-    recorded = [r for r in rows if not r["layouts_live"]]
-    print(f"\nLAYOUTS: read from the installed vLLM for {len(rows) - len(recorded)} of "
-          f"{len(rows)} backends; recorded for:")
-    for r in recorded:
-        print(f"  {r['name']}: {r['layouts_source']}")
-    return 0
-
-
-def _cc_arg(text: str) -> tuple[int, int]:
-    try:
-        return parse_compute_capability(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @functools.cache
@@ -477,5 +410,6 @@ def _check_cc(cc: tuple[int, int] | None) -> tuple[int, int] | None:
     return (cc[0], cc[1])
 
 
-def _show(layouts: Iterable[str] | None) -> str:
+def show_layouts(layouts: Iterable[str] | None) -> str:
+    """Layouts as text: "any" for None (no constraint), "none" for an empty set."""
     return "any" if layouts is None else ",".join(layouts) or "none"
