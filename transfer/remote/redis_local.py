@@ -62,6 +62,12 @@ def _cluster_info(client: redis.Redis) -> dict[str, str]:
     return dict(line.split(":", 1) for line in info.split() if ":" in line)
 
 
+def _slot_map(client: redis.Redis) -> list[tuple[int, int, list[int]]]:
+    """CLUSTER SLOTS as (low, high, [master port, replica ports...]), in the node's order."""
+    return [(int(entry[0]), int(entry[1]), [int(node[1]) for node in entry[2:]])
+            for entry in client.execute_command("CLUSTER", "SLOTS")]
+
+
 def _slot_ranges(masters: int) -> list[tuple[int, int]]:
     """0..16383 split into `masters` contiguous, near-equal ranges (inclusive ends)."""
     bounds = [round(i * REDIS_CLUSTER_HASH_SLOTS / masters) for i in range(masters + 1)]
@@ -212,11 +218,14 @@ class LocalRedisCluster:
         ports = {self._ports[i]: i for i in self.replica_indices(master)}
         deadline = time.monotonic() + CONVERGE_TIMEOUT_S
         while True:
+            live = self._live()
             try:
-                owner = self._slot_owner(low)
-                if owner in ports and self._live_nodes_ok():
+                with self.node_client(live[0], socket_timeout=1.0) as client:
+                    owner = next(nodes[0] for first, last, nodes in _slot_map(client)
+                                 if first <= low <= last)
+                if owner in ports and all(self._cluster_ok(i) for i in live):
                     return ports[owner]
-            except (redis.ConnectionError, redis.TimeoutError):
+            except (redis.ConnectionError, redis.TimeoutError, StopIteration):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no replica of master {master} took its slots over in "
@@ -231,8 +240,9 @@ class LocalRedisCluster:
             proc.wait(STOP_TIMEOUT_S)
 
     def restart(self, index: int) -> None:
-        """Start a killed node on its ports and nodes.conf (so it owns its slots again, empty:
-        no persistence); wait until the whole cluster is ok."""
+        """Start a killed node on its ports and nodes.conf, empty (no persistence): a master
+        owns its slots again, or, where its replica took them over, rejoins as that replica's
+        replica. Wait until the whole cluster is ok."""
         proc = self._state.procs[index]
         if proc is not None and proc.poll() is None:
             raise RuntimeError(f"node {index} is still running: kill() it first")
@@ -270,20 +280,9 @@ class LocalRedisCluster:
     def _live(self) -> list[int]:
         return [i for i, p in enumerate(self._state.procs) if p is not None and p.poll() is None]
 
-    def _slot_owner(self, slot: int) -> int:
-        """Port of the node a live node says serves `slot`."""
-        with self.node_client(self._live()[0], socket_timeout=1.0) as client:
-            for entry in client.execute_command("CLUSTER", "SLOTS"):
-                if int(entry[0]) <= slot <= int(entry[1]):
-                    return int(entry[2][1])
-        return -1
-
-    def _live_nodes_ok(self) -> bool:
-        for index in self._live():
-            with self.node_client(index, socket_timeout=1.0) as client:
-                if _cluster_info(client).get("cluster_state") != "ok":
-                    return False
-        return True
+    def _cluster_ok(self, index: int) -> bool:
+        with self.node_client(index, socket_timeout=1.0) as client:
+            return _cluster_info(client).get("cluster_state") == "ok"
 
     def _index_for_slot(self, slot: int) -> int:
         for index, (low, high) in enumerate(self._ranges):
@@ -427,9 +426,8 @@ class LocalRedisCluster:
                     raw_nodes = raw_nodes.decode()
                 if isinstance(raw_nodes, str) and "fail" in raw_nodes:
                     return f"node {index} flags a node as failing"
-                slots = sorted((int(entry[0]), int(entry[1]),
-                                sorted(int(node[1]) for node in entry[2:]))
-                               for entry in client.execute_command("CLUSTER", "SLOTS"))
+                slots = sorted((low, high, sorted(ports))
+                               for low, high, ports in _slot_map(client))
                 if slots != expected:
                     return f"node {index}: slot map {slots} != {expected}"
             except (redis.ConnectionError, redis.TimeoutError) as exc:
