@@ -1,7 +1,7 @@
 # The README's two commands: `make bench` (set up + run the benchmark) and `make test` (set up + tests).
 PY ?= python3
 
-.PHONY: setup setup-test test bench lint
+.PHONY: setup setup-test test test-vllm033 bench lint
 
 # A machine that already has torch (a GPU box with its CUDA build) keeps it; others get the CPU
 # wheel. Offline GPU boxes: see the README's install section.
@@ -22,8 +22,18 @@ setup-test:
 lint:
 	$(PY) -m ruff check .
 
+# vLLM 0.33 pins torch 2.14, which has no CPU wheel here: the second run lays 0.33's Python code
+# (scheduler, cache planner, allocator, factory, worker-side driver: all of vLLM the connector
+# meets on a CPU) over this CPU torch, in a venv that sees everything else setup-test installed.
+VLLM033 := .venv-vllm033
+test-vllm033:
+	$(PY) -m venv --system-site-packages $(VLLM033)
+	$(VLLM033)/bin/python -m pip install -q --no-deps vllm==0.33.0
+	KVCONNECTOR_REQUIRE_VLLM=0.33 $(VLLM033)/bin/python -m pytest -m vllm
+
 test: setup-test lint
 	$(PY) -m pytest
+	$(MAKE) test-vllm033
 
 bench: setup
 	kvconnector bench

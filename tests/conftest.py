@@ -1,9 +1,10 @@
 """Shared pytest wiring: the `gpu`, `vllm` and `redis` markers, and the Redis Cluster fixtures.
 
 `gpu` tests skip cleanly without CUDA. `vllm` tests skip where vLLM is not importable, except
-when KVCONNECTOR_REQUIRE_VLLM=1 (set by .ci/run): then a missing vLLM is an error, so CI can never
-pass by silently skipping the integration tests. `redis` tests do the same for Debian's
-redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
+when KVCONNECTOR_REQUIRE_VLLM is set (by .ci/run): then a missing vLLM is an error, so CI can never
+pass by silently skipping the integration tests. Set to a version (0.33) it also fails a run whose
+vLLM is another one, so a second run meant for that version cannot test the first by mistake.
+`redis` tests do the same for Debian's redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
 """
 
 from __future__ import annotations
@@ -58,10 +59,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if os.environ.get("KVCONNECTOR_REQUIRE_VLLM") == "1" and not _vllm_available():
+    required = os.environ.get("KVCONNECTOR_REQUIRE_VLLM", "")
+    if required and not _vllm_available():
         raise pytest.UsageError(
-            "KVCONNECTOR_REQUIRE_VLLM=1 but vLLM is not importable: install vllm==0.32.0"
+            f"KVCONNECTOR_REQUIRE_VLLM={required} but vLLM is not importable: install vllm==0.32.0"
         )
+    if required not in ("", "1"):
+        from vllm import __version__
+
+        if __version__ != required and not __version__.startswith(f"{required}."):
+            raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_VLLM={required} but vLLM {__version__} "
+                                    f"is what imports")
     if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1" and (missing := _redis_missing()):
         raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_REDIS=1 but {missing}")
 

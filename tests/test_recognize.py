@@ -2,7 +2,7 @@
 
 Byte checks use an independent reference: the storage byte address of every byte a view covers,
 computed from the view's own offset and strides. The `vllm` tests feed the recogniser exactly
-what vLLM 0.32's own config builder and `allocate_kv_cache` make.
+what vLLM's own config builder (0.32 and 0.33) and `allocate_kv_cache` make.
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def test_malformed_input_raises_naming_the_layer() -> None:
         recognize({"layer.0": kv["layer.0"], "layer.1": kv["layer.0"].view(torch.float16)})
 
 
-# -- vLLM 0.32: exactly what a worker receives ---------------------------------------------------
+# -- vLLM 0.32 / 0.33: exactly what a worker receives --------------------------------------------
 VLLM_BLOCK = 16
 
 
@@ -321,7 +321,10 @@ def vllm_cache(layout: str, groups: list[tuple[list[str], object]], budget: int
                ) -> tuple[dict[str, torch.Tensor], object]:
     """Build a KVCacheConfig with vLLM's own builder and allocate it with vLLM's allocator."""
     from vllm.config import CacheConfig, DeviceConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    try:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    except ImportError:  # vLLM 0.33 moved the planner
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, UniformTypeKVCacheSpecs
     from vllm.v1.worker.utils import allocate_kv_cache
 

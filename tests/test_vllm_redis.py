@@ -1,4 +1,4 @@
-"""A Redis Cluster as the connector's remote tier, through vLLM 0.32's real Scheduler and
+"""A Redis Cluster as the connector's remote tier, through vLLM's real Scheduler (0.32 and 0.33) and
 AsyncScheduler (tests/vllm_harness.py), against a real 3-master cluster (tests/conftest.py).
 
 Two engines sharing the cluster behave as engines sharing a prefix, bit-exact (the harness

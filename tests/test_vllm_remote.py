@@ -1,5 +1,5 @@
-"""The remote store as the connector's second tier, through vLLM 0.32's real Scheduler and
-AsyncScheduler (tests/vllm_harness.py), against a real store server process.
+"""The remote store as the connector's second tier, through vLLM's real Scheduler and
+AsyncScheduler (0.32 and 0.33; tests/vllm_harness.py), against a real store server process.
 
 Two engines (two scheduler/worker sets) sharing one store behave as engines sharing a prefix,
 bit-exact (the harness compares every byte a request starts from); a store killed between lookup

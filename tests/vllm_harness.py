@@ -16,6 +16,7 @@ request that starts with computed tokens (a local prefix hit or a load).
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import random
@@ -48,7 +49,6 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     generate_scheduler_kv_cache_config,
-    get_kv_cache_groups,
     get_request_block_hasher,
     init_none_hash,
 )
@@ -65,10 +65,12 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from transfer.copy_backends import Gate, ThreadBackend  # noqa: E402
 
 try:  # vLLM 0.32
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 except ImportError:  # vLLM 0.33 moved the planner
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 
+# vLLM 0.33's driver can take transfer results before the stores (see EngineSetup.speculator)
+DEFERS_FINALIZE = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters
 NUM_LAYERS = 3
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
@@ -135,6 +137,10 @@ class EngineSetup:
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 8
     kv_load_failure_policy: str = "recompute"
+    # vLLM 0.33's V2 model runner with a speculator: transfer results are taken before the
+    # drafter's forward, `wait_for_save` after it (`post_forward(defer_finalize=True)`, then
+    # `finalize_step()`). The last layer stands for the drafter's, written in between.
+    speculator: bool = False
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -186,8 +192,10 @@ class Worker:
     """One GPU worker: vLLM's cache and worker-side connector driver, and the fake forward."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
-                 requests: dict[str, Request], gate: Gate | None = None) -> None:
+                 requests: dict[str, Request], gate: Gate | None = None,
+                 speculator: bool = False) -> None:
         self.rank = rank
+        self.speculator = speculator
         self.vllm_config = rank_config(vllm_config, rank)
         self.connector = KVConnectorFactory.create_connector(self.vllm_config,
                                                              KVConnectorRole.WORKER,
@@ -217,16 +225,26 @@ class Worker:
         if so.total_num_scheduled_tokens == 0:
             return self.driver.no_forward(so)
         self.driver.pre_forward(so)
-        sampled = {req_id: self._forward(so, req_id, n)
+        drafter = self.layer_names[-1:] if self.speculator else []
+        target = self.layer_names[:len(self.layer_names) - len(drafter)]
+        sampled = {req_id: self._forward(req_id, n, target)
                    for req_id, n in so.num_scheduled_tokens.items()}
         # Attention reads after every request's KV of this step is written (a model writes the
         # KV of a layer before attending): a prefix hit on blocks another request of the same
         # step computes is legitimate.
         for req_id in fresh:
             self.starts.setdefault(req_id, []).append(self._start(req_id))
-            self.check_prefix(req_id, self._start(req_id))
+            self.check_prefix(req_id, self._start(req_id), target)
         self.driver.finish_forward()
-        kv_output = self.driver.post_forward(so.finished_req_ids)
+        if drafter:  # stores submitted before the drafter's forward would copy stale bytes
+            kv_output = self.driver.post_forward(so.finished_req_ids, defer_finalize=True)
+            for req_id, n in so.num_scheduled_tokens.items():
+                self._forward(req_id, n, drafter)
+            for req_id in fresh:  # the drafter attends after its layer of this step is written
+                self.check_prefix(req_id, self._start(req_id), drafter)
+            self.driver.finalize_step()
+        else:
+            kv_output = self.driver.post_forward(so.finished_req_ids)
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -259,33 +277,37 @@ class Worker:
     def _start(self, req_id: str) -> int:
         return self._starts[req_id]
 
-    def _forward(self, so: SchedulerOutput, req_id: str, num_tokens: int) -> list[int]:
+    def _forward(self, req_id: str, num_tokens: int, layers: list[str]) -> list[int]:
+        """Write `layers`' KV of the request's scheduled tokens; the token sampled, if any."""
         state = self.states[req_id]
         start = self._start(req_id)
         end = start + num_tokens
         positions = torch.arange(start, end)
         blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
         hashes = state.sequence.hashes_between(start, end)
-        for index, layer in enumerate(self.layer_names):
+        for layer in layers:
             pages = self.pages(layer)
-            rows = kv_rows(hashes, index, self.rank, pages.shape[1] * pages.shape[3])
+            rows = kv_rows(hashes, self.layer_names.index(layer), self.rank,
+                           pages.shape[1] * pages.shape[3])
             pages[blocks, :, positions % BLOCK_SIZE, :] = rows.view(len(positions),
                                                                     pages.shape[1], -1)
         if end < self.scheduler_requests[req_id].num_tokens:
             return []  # a prefill chunk samples nothing
         return [next_token(state.sequence.hash_at(end - 1))]
 
-    def check_prefix(self, req_id: str, num_tokens: int) -> None:
-        """Every byte of positions [0, num_tokens) is what the fake model writes there."""
+    def check_prefix(self, req_id: str, num_tokens: int, layers: list[str] | None = None) -> None:
+        """Every byte of positions [0, num_tokens) of `layers` (default: all) is what the fake
+        model writes there."""
         if num_tokens == 0:
             return
         state = self.states[req_id]
         positions = torch.arange(num_tokens)
         blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
         hashes = state.sequence.hashes_between(0, num_tokens)
-        for index, layer in enumerate(self.layer_names):
+        for layer in self.layer_names if layers is None else layers:
             pages = self.pages(layer)
-            want = kv_rows(hashes, index, self.rank, pages.shape[1] * pages.shape[3])
+            want = kv_rows(hashes, self.layer_names.index(layer), self.rank,
+                           pages.shape[1] * pages.shape[3])
             got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(num_tokens, -1)
             bad = (got != want).any(dim=1).nonzero().flatten().tolist()
             if bad:
@@ -293,7 +315,8 @@ class Worker:
                                      f"{len(bad)} of {num_tokens} positions hold wrong KV, "
                                      f"first at position {bad[0]} (block "
                                      f"{int(blocks[bad[0]])})")
-        self.prefix_checks += num_tokens
+        if layers is None or layers[-1] == self.layer_names[-1]:  # each position counted once
+            self.prefix_checks += num_tokens
 
     def drain(self) -> None:
         """Block until this worker's copies in flight are done (a quiet engine step)."""
@@ -330,7 +353,8 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=BLOCK_SIZE, log_stats=True)
         self.workers = [Worker(self.vllm_config, configs[rank], rank, self.scheduler.requests,
-                               gates[rank] if gates else None) for rank in range(tp)]
+                               gates[rank] if gates else None, setup.speculator)
+                        for rank in range(tp)]
         self.aggregator = KVOutputAggregator(tp)
         self._queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.added: set[str] = set()
