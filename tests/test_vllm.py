@@ -2,13 +2,15 @@
 AsyncScheduler, its cache allocation and worker-side driver, with a fake model forward
 (tests/vllm_harness.py).
 
-Every scenario runs in six variants: block-major (the connector's own BLNHC request) and the
+Every scenario runs in eight variants: block-major (the connector's own BLNHC request) and the
 per-layer fallback (VLLM_KV_CACHE_LAYOUT=LBNHC), at TP 1 and TP 2 (two workers merged by vLLM's
-KVOutputAggregator), each under Scheduler and AsyncScheduler; on vLLM 0.33 also in a
-speculator's step order (transfer results taken before the stores, a drafter layer written in
-between). Before each forward of a request that starts with computed tokens, the harness compares
-every byte of them with what the fake model writes there; the GPU caches are poisoned before
-loads.
+KVOutputAggregator), each under Scheduler and AsyncScheduler, and with two pipeline stages (PP 2
+at TP 1 and 2, Scheduler: each stage's workers hold and move their own layers; earlier stages
+return only connector output, merged at the last stage's rank as vLLM's executor does). On vLLM
+0.33 also in a speculator's step order (transfer results taken before the stores, a drafter
+layer written in between). Before each forward of a request that starts with computed tokens,
+the harness compares every byte of them with what the fake model writes there; the GPU caches
+are poisoned before loads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
+from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -55,16 +58,20 @@ POISON = 0xA5
 BS = h.BLOCK_SIZE
 NEEDS_DEFERRED_FINALIZE = pytest.mark.skipif(
     not h.DEFERS_FINALIZE, reason="a speculator's step order needs vLLM 0.33's driver")
+# (layout, TP, PP, AsyncScheduler, speculator step order)
 VARIANTS = [
-    pytest.param(("BLNHC", 1, False, False), id="block-major-Scheduler"),
-    pytest.param(("BLNHC", 1, True, False), id="block-major-AsyncScheduler"),
-    pytest.param(("LBNHC", 1, False, False), id="per-layer-Scheduler"),
-    pytest.param(("LBNHC", 1, True, False), id="per-layer-AsyncScheduler"),
-    pytest.param(("BLNHC", 2, False, False), id="tp2-Scheduler"),
-    pytest.param(("BLNHC", 2, True, False), id="tp2-AsyncScheduler"),
-    pytest.param(("BLNHC", 1, False, True), id="speculator-Scheduler",
+    pytest.param(("BLNHC", 1, 1, False, False), id="block-major-Scheduler"),
+    pytest.param(("BLNHC", 1, 1, True, False), id="block-major-AsyncScheduler"),
+    pytest.param(("LBNHC", 1, 1, False, False), id="per-layer-Scheduler"),
+    pytest.param(("LBNHC", 1, 1, True, False), id="per-layer-AsyncScheduler"),
+    pytest.param(("BLNHC", 2, 1, False, False), id="tp2-Scheduler"),
+    pytest.param(("BLNHC", 2, 1, True, False), id="tp2-AsyncScheduler"),
+    pytest.param(("BLNHC", 1, 2, False, False), id="pp2-Scheduler"),
+    # (vLLM's config refuses PP with async scheduling under Model Runner V1)
+    pytest.param(("BLNHC", 2, 2, False, False), id="tp2-pp2-Scheduler"),
+    pytest.param(("BLNHC", 1, 1, False, True), id="speculator-Scheduler",
                  marks=NEEDS_DEFERRED_FINALIZE),
-    pytest.param(("BLNHC", 2, True, True), id="speculator-tp2-AsyncScheduler",
+    pytest.param(("BLNHC", 2, 1, True, True), id="speculator-tp2-AsyncScheduler",
                  marks=NEEDS_DEFERRED_FINALIZE),
 ]
 
@@ -82,25 +89,34 @@ def shut_engines_down() -> Iterator[None]:
 
 @pytest.fixture(params=VARIANTS)
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    layout, tp, async_scheduling, speculator = request.param
+    layout = request.param[0]
     if layout != "BLNHC":
         monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)  # the engine override wins
     return request.param
 
 
+def ranks(variant: tuple) -> int:
+    return variant[1] * variant[2]  # TP x PP workers
+
+
 def make_engine(model_dir: str, variant: tuple, gates: list[h.HeldGate] | None = None,
                 cpu_slots: int = 256, **setup: object) -> h.Engine:
-    layout, tp, async_scheduling, speculator = variant
-    block_bytes = h.NUM_LAYERS * (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2
+    layout, tp, pp, async_scheduling, speculator = variant
+    page_bytes = (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2  # one layer's block
+    stages = [get_pp_indices(h.NUM_LAYERS, stage, pp) for stage in range(pp)]
+    largest_stage = max(end - start for start, end in stages)
     engine = h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
-                                    tensor_parallel_size=tp, speculator=speculator,
-                                    extra_config={"cpu_bytes": cpu_slots * block_bytes},
+                                    tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                    speculator=speculator,
+                                    extra_config={"cpu_bytes": cpu_slots * largest_stage
+                                                  * page_bytes},
                                     **setup), gates=gates)
     assert engine.layout == layout
     mode = BLOCK_MAJOR if layout == "BLNHC" else PER_LAYER
     for worker in engine.workers:
         assert worker.connector._worker.mode == mode
-        assert worker.connector._worker.block_bytes == block_bytes
+        start, end = stages[worker.rank // tp]  # a slot holds its stage's layers only
+        assert worker.connector._worker.block_bytes == (end - start) * page_bytes
     return engine
 
 
@@ -145,7 +161,7 @@ def run_to_completion(engine: h.Engine, requests: dict[str, tuple[list[int], int
 
 # -- loading from the factory ------------------------------------------------------------------
 def test_factory_loads_the_class_from_the_module_path_in_both_roles(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 2, False, False))
+    engine = make_engine(model_dir, ("BLNHC", 2, 1, False, False))
     config = engine.vllm_config
     assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) \
         is CrossLayerOffloadConnector
@@ -194,11 +210,10 @@ def test_identical_request_loads_every_stored_byte(model_dir: str, variant: tupl
         assert worker.starts["b"] == [4 * BS]  # resumed after the load with 64 tokens computed
         assert worker.prefix_checks - before == 4 * BS  # every loaded byte compared
     stats = total_stats(engine)
-    block_bytes = engine.workers[0].connector._worker.block_bytes
-    tp = len(engine.workers)
+    block_bytes = sum(worker.connector._worker.block_bytes for worker in engine.workers)
     assert (stats.data["hit_tokens"], stats.data["failed_loads"]) == (4 * BS, 0)
-    assert stats.data["load_bytes"] == 4 * block_bytes * tp
-    assert stats.data["store_bytes"] == 4 * block_bytes * tp
+    assert stats.data["load_bytes"] == 4 * block_bytes  # every rank's bytes of 4 blocks
+    assert stats.data["store_bytes"] == 4 * block_bytes
 
 
 def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
@@ -217,7 +232,7 @@ def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
 
 
 def test_full_prompt_hit_recomputes_only_the_last_token(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 1, False, False))
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, False, False))
     prompt = make_prompt(4, 3 * BS)
     run_to_completion(engine, {"a": (prompt, 2)})
     assert engine.scheduler.reset_prefix_cache()
@@ -228,7 +243,7 @@ def test_full_prompt_hit_recomputes_only_the_last_token(model_dir: str) -> None:
 
 
 def test_failed_load_is_recomputed(model_dir: str, variant: tuple) -> None:
-    gates = [h.HeldGate() for _ in range(variant[1])]
+    gates = [h.HeldGate() for _ in range(ranks(variant))]
     engine = make_engine(model_dir, variant, gates=gates)
     prompt = make_prompt(5, 3 * BS + 3)
     run_to_completion(engine, {"a": (prompt, 2)})
@@ -249,7 +264,7 @@ def test_failed_load_is_recomputed(model_dir: str, variant: tuple) -> None:
 
 def test_failed_load_fails_the_request_under_the_fail_policy(model_dir: str,
                                                              variant: tuple) -> None:
-    gates = [h.HeldGate() for _ in range(variant[1])]
+    gates = [h.HeldGate() for _ in range(ranks(variant))]
     engine = make_engine(model_dir, variant, gates=gates, kv_load_failure_policy="fail")
     prompt = make_prompt(13, 2 * BS + 3)
     run_to_completion(engine, {"a": (prompt, 2)})
@@ -265,7 +280,7 @@ def test_failed_load_fails_the_request_under_the_fail_policy(model_dir: str,
 
 
 def test_reset_connector_cache_empties_the_tier(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 1, True, False))
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, True, False))
     prompt = make_prompt(14, 3 * BS)
     run_to_completion(engine, {"a": (prompt, 2)})
     assert stored_tokens(engine, prompt) == 3 * BS
@@ -278,7 +293,8 @@ def test_reset_connector_cache_empties_the_tier(model_dir: str) -> None:
 
 def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
         model_dir: str, variant: tuple) -> None:
-    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(variant[1])]  # a's store
+    # a's store held
+    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(ranks(variant))]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
     prompt, other = make_prompt(6, 4 * BS + 6), make_prompt(7, 5 * BS + 10)
     engine.drain_when_idle = False
@@ -313,7 +329,7 @@ def test_preempted_request_store_finishes_before_its_blocks_are_rewritten(
     # e and a fill the pool; when e needs one more block, vLLM preempts a (the newest) and hands
     # its blocks to e while a's store (job 1) is held in flight on the copy thread. The flush
     # before that step's forward releases it and must wait for it.
-    gates = [h.HeldGate(hold={1: threading.Event()}) for _ in range(variant[1])]
+    gates = [h.HeldGate(hold={1: threading.Event()}) for _ in range(ranks(variant))]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
     flushes: list[tuple[int, bool]] = []  # (rank, store 1 still in flight) per flush of it
     for worker in engine.workers:
@@ -469,7 +485,7 @@ def test_stats_aggregate_reduce_and_reach_prometheus(model_dir: str) -> None:
 
 
 def test_external_hits_are_reported_as_the_host_tier(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 1, False, False))
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, False, False))
     prompt = make_prompt(11, 2 * BS + 1)
     run_to_completion(engine, {"a": (prompt, 1)})
     request = engine.add("b", prompt, max_tokens=1)
@@ -478,7 +494,7 @@ def test_external_hits_are_reported_as_the_host_tier(model_dir: str) -> None:
 
 def test_sleep_drains_copies_and_the_pool_serves_after_wake_up(model_dir: str) -> None:
     gate = h.HeldGate(hold={0: threading.Event()})
-    engine = make_engine(model_dir, ("BLNHC", 1, False, False), gates=[gate])
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, False, False), gates=[gate])
     connector = engine.workers[0].connector
     engine.drain_when_idle = False
     prompt = make_prompt(12, 2 * BS + 3)
@@ -502,7 +518,7 @@ def test_sleep_drains_copies_and_the_pool_serves_after_wake_up(model_dir: str) -
 
 
 def test_start_load_kv_accepts_extra_keyword_arguments(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 1, False, False))
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, False, False))
     connector = engine.workers[0].connector
     so = engine.scheduler.schedule()
     connector.bind_connector_metadata(so.kv_connector_metadata)
@@ -511,7 +527,7 @@ def test_start_load_kv_accepts_extra_keyword_arguments(model_dir: str) -> None:
 
 
 def test_shutdown_releases_the_pool(model_dir: str) -> None:
-    engine = make_engine(model_dir, ("BLNHC", 1, False, False))
+    engine = make_engine(model_dir, ("BLNHC", 1, 1, False, False))
     connector = engine.workers[0].connector
     worker = connector._worker
     connector.shutdown()

@@ -61,11 +61,12 @@ def block_bytes(tp: int) -> int:
 
 
 def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: int = 1,
-                cpu_slots: int = 64, **extra: object) -> h.Engine:
+                cpu_slots: int = 64, pp: int = 1, **extra: object) -> h.Engine:
     config = {"cpu_bytes": cpu_slots * block_bytes(tp), "remote_url": url,
               "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
-                                  tensor_parallel_size=tp, extra_config=config))
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                  extra_config=config))
 
 
 def store_stats(url: str) -> dict:
@@ -77,18 +78,23 @@ def remote_failures(engine: h.Engine) -> int:
     return sum(w.connector._worker.remote_failures for w in engine.workers)
 
 
-@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("async_scheduling", "tp", "pp"), [
+    pytest.param(False, 1, 1, id="Scheduler-tp1"),
+    pytest.param(True, 1, 1, id="AsyncScheduler-tp1"),
+    pytest.param(False, 2, 1, id="Scheduler-tp2"),
+    pytest.param(True, 2, 1, id="AsyncScheduler-tp2"),
+    # Each stage's ranks put their own layers under keys of their own (the stage in the salt).
+    pytest.param(False, 1, 2, id="Scheduler-pp2")])
 def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
-        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int) -> None:
-    first = make_engine(model_dir, store.url, async_scheduling, tp)
+        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int, pp: int) -> None:
+    first = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp)
     prompt = make_prompt(1, 4 * BS + 6)
     run_to_completion(first, {"a": (prompt, 3)})
     stats = store_stats(store.url)
-    # Write-through: every full block of every rank, once.
-    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp, 4 * tp * block_bytes(tp))
+    # Write-through: every full block of every rank, once; the stages' layers add up to a block.
+    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp * pp, 4 * tp * block_bytes(tp))
 
-    second = make_engine(model_dir, store.url, async_scheduling, tp)
+    second = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp)
     poison_gpu(second)
     request = second.add("b", prompt, max_tokens=3)
     second.run(until=lambda: second.scheduler.requests["b"].status
@@ -101,7 +107,7 @@ def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
         assert worker.starts["b"] == [4 * BS]  # resumed after the remote load
         assert worker.prefix_checks == 4 * BS  # every fetched byte compared
     stats = store_stats(store.url)
-    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp, 4 * tp * block_bytes(tp))
+    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp * pp, 4 * tp * block_bytes(tp))
     assert remote_failures(second) == 0
     # The fetched blocks now live in the second engine's CPU tier too: a third request sharing
     # two blocks is served from the host pool without asking the store for them.
@@ -114,7 +120,7 @@ def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
     assert second.connector.get_external_cache_hit_sources(request, 2 * BS) == {"host": 2 * BS}
     run_to_completion(second, {"c": (shares_two, 2)})
     assert all(w.starts["c"] == [2 * BS] for w in second.workers)
-    assert store_stats(store.url)["get_blocks"] == 4 * tp
+    assert store_stats(store.url)["get_blocks"] == 4 * tp * pp
     stats = OffloadStats()
     for data in second.stats:
         stats.aggregate(CrossLayerOffloadConnector.build_kv_connector_stats(data))

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
@@ -71,7 +72,7 @@ except ImportError:  # vLLM 0.33 moved the planner
 
 # vLLM 0.33's driver can take transfer results before the stores (see EngineSetup.speculator)
 DEFERS_FINALIZE = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters
-NUM_LAYERS = 3
+NUM_LAYERS = 4  # even: two pipeline stages of equal size share a block layout
 NUM_KV_HEADS = 2
 HEAD_SIZE = 16
 DTYPE = torch.bfloat16
@@ -133,6 +134,7 @@ class EngineSetup:
     extra_config: dict[str, Any]
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages split the layers as vLLM's get_pp_indices does
     num_gpu_blocks: int = 64
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 8
@@ -156,7 +158,8 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
             async_scheduling=setup.async_scheduling),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True,
                                  num_gpu_blocks_override=setup.num_gpu_blocks),
-        parallel_config=ParallelConfig(tensor_parallel_size=setup.tensor_parallel_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=setup.tensor_parallel_size,
+                                       pipeline_parallel_size=setup.pipeline_parallel_size),
         kv_transfer_config=KVTransferConfig(
             kv_connector=setup.connector, kv_connector_module_path=setup.module_path,
             kv_role="kv_both", kv_connector_extra_config=dict(setup.extra_config),
@@ -167,10 +170,10 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
         device_config=DeviceConfig("cpu"))
 
 
-def layer_specs(tp_size: int) -> dict[str, FullAttentionSpec]:
+def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS)) -> dict[str, FullAttentionSpec]:
     return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
-        dtype=DTYPE) for i in range(NUM_LAYERS)}
+        dtype=DTYPE) for i in layers}
 
 
 def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
@@ -193,9 +196,10 @@ class Worker:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
                  requests: dict[str, Request], gate: Gate | None = None,
-                 speculator: bool = False) -> None:
+                 speculator: bool = False, last_stage: bool = True) -> None:
         self.rank = rank
         self.speculator = speculator
+        self.last_stage = last_stage  # earlier stages sample nothing: connector output only
         self.vllm_config = rank_config(vllm_config, rank)
         self.connector = KVConnectorFactory.create_connector(self.vllm_config,
                                                              KVConnectorRole.WORKER,
@@ -245,6 +249,8 @@ class Worker:
             self.driver.finalize_step()
         else:
             kv_output = self.driver.post_forward(so.finished_req_ids)
+        if not self.last_stage:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -336,13 +342,18 @@ class Engine:
         self.setup = setup
         self.gates = gates or []
         self.vllm_config = make_vllm_config(setup)
-        tp = setup.tensor_parallel_size
-        specs = layer_specs(tp)
-        self.layout = resolve_kv_cache_layout(self.vllm_config, [ALL_LAYOUTS] * tp,
-                                              list(specs.values())).name
-        groups = get_kv_cache_groups(self.vllm_config, specs)
-        configs = [get_kv_cache_config_from_groups(self.vllm_config, copy.deepcopy(groups),
-                                                   available_memory) for _ in range(tp)]
+        tp, pp = setup.tensor_parallel_size, setup.pipeline_parallel_size
+        world = tp * pp
+        # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
+        stages = [layer_specs(tp, range(*get_pp_indices(NUM_LAYERS, stage, pp)))
+                  for stage in range(pp)]
+        self.layout = resolve_kv_cache_layout(
+            self.vllm_config, [ALL_LAYOUTS] * world,
+            [spec for specs in stages for spec in specs.values()]).name
+        groups = [get_kv_cache_groups(self.vllm_config, specs) for specs in stages]
+        configs = [get_kv_cache_config_from_groups(self.vllm_config,
+                                                   copy.deepcopy(groups[rank // tp]),
+                                                   available_memory) for rank in range(world)]
         for config in configs:
             config.kv_cache_layout = self.layout
         self.kv_cache_config = generate_scheduler_kv_cache_config(configs)
@@ -353,9 +364,11 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=BLOCK_SIZE, log_stats=True)
         self.workers = [Worker(self.vllm_config, configs[rank], rank, self.scheduler.requests,
-                               gates[rank] if gates else None, setup.speculator)
-                        for rank in range(tp)]
-        self.aggregator = KVOutputAggregator(tp)
+                               gates[rank] if gates else None, setup.speculator,
+                               last_stage=rank // tp == pp - 1)
+                        for rank in range(world)]
+        self.output_rank = (pp - 1) * tp  # the executor's: the last stage's first worker
+        self.aggregator = KVOutputAggregator(world)
         self._queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         self.added: set[str] = set()
         self.finished: dict[str, list[int]] = {}  # request -> its output tokens
@@ -396,7 +409,7 @@ class Engine:
         if so.total_num_scheduled_tokens == 0 and self.drain_when_idle:
             for worker in self.workers:
                 worker.drain()  # nothing to compute: let copies finish before the next step
-        merged = self.aggregator.aggregate(outputs, output_rank=0)
+        merged = self.aggregator.aggregate(outputs, output_rank=self.output_rank)
         assert merged is not None
         return merged
 
