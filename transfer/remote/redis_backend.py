@@ -105,6 +105,9 @@ class RedisClusterBackend(RemoteBackend):
         self._late_puts: list[tuple[Future[Any], list[int]]] = []
         self._late_lock = threading.Lock()  # pinned_slots may be asked from another thread
         self._buffers = threading.local()  # each pool thread's GET buffer (one value)
+        # Read the slot map now, in the background: the first call (a scheduler's lookup, with
+        # a deadline well under a second) would otherwise wait for it and could miss.
+        self._connecting = self._pool.submit(self._make_cluster)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -220,9 +223,12 @@ class RedisClusterBackend(RemoteBackend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._cluster is not None:
-            self._cluster.close()
-            self._cluster = None
+        connecting, cluster = self._connecting, self._cluster
+        self._connecting = self._cluster = None
+        if connecting is not None:  # a client still being made is closed once it is made
+            connecting.add_done_callback(lambda made: _close_made(made, cluster))
+        if cluster is not None:
+            cluster.close()
 
     def _buffer(self) -> memoryview:
         """This thread's buffer for one value, reused by every get it runs."""
@@ -390,6 +396,13 @@ def _all_answered(answers: list[Any]) -> list[bool]:
     if failed is not None:
         raise StoreError(f"a Redis node did not answer: {failed}")
     return answers
+
+
+def _close_made(made: Future[Any], adopted: RedisCluster | None) -> None:
+    """Close a cluster client that `_make_cluster` finished after `close` (a slot-map
+    refresh returns None; the adopted client is closed by `close` itself)."""
+    if not made.cancelled() and made.exception() is None and made.result() not in (None, adopted):
+        made.result().close()
 
 
 def _result(statuses: list[BlockStatus], errors: list[str],
