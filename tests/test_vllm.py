@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     supports_hma,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
-from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -103,8 +102,7 @@ def make_engine(model_dir: str, variant: tuple, gates: list[h.HeldGate] | None =
                 cpu_slots: int = 256, **setup: object) -> h.Engine:
     layout, tp, pp, async_scheduling, speculator = variant
     page_bytes = (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2  # one layer's block
-    stages = [get_pp_indices(h.NUM_LAYERS, stage, pp) for stage in range(pp)]
-    largest_stage = max(end - start for start, end in stages)
+    largest_stage = max(map(len, h.stage_layers(pp)))
     engine = h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                     tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                     speculator=speculator,
@@ -115,8 +113,8 @@ def make_engine(model_dir: str, variant: tuple, gates: list[h.HeldGate] | None =
     mode = BLOCK_MAJOR if layout == "BLNHC" else PER_LAYER
     for worker in engine.workers:
         assert worker.connector._worker.mode == mode
-        start, end = stages[worker.rank // tp]  # a slot holds its stage's layers only
-        assert worker.connector._worker.block_bytes == (end - start) * page_bytes
+        # a slot holds its stage's layers only
+        assert worker.connector._worker.block_bytes == len(worker.layer_names) * page_bytes
     return engine
 
 

@@ -176,6 +176,11 @@ def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS)) -> dict[str, Fu
         dtype=DTYPE) for i in layers}
 
 
+def stage_layers(pp_size: int) -> list[range]:
+    """Each pipeline stage's layers, as vLLM splits them."""
+    return [range(*get_pp_indices(NUM_LAYERS, stage, pp_size)) for stage in range(pp_size)]
+
+
 def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
     """The config a worker process of `rank` sees."""
     config = copy.copy(vllm_config)
@@ -345,8 +350,7 @@ class Engine:
         tp, pp = setup.tensor_parallel_size, setup.pipeline_parallel_size
         world = tp * pp
         # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
-        stages = [layer_specs(tp, range(*get_pp_indices(NUM_LAYERS, stage, pp)))
-                  for stage in range(pp)]
+        stages = [layer_specs(tp, layers) for layers in stage_layers(pp)]
         self.layout = resolve_kv_cache_layout(
             self.vllm_config, [ALL_LAYOUTS] * world,
             [spec for specs in stages for spec in specs.values()]).name
