@@ -1,4 +1,5 @@
-"""Shared pytest wiring: the `gpu`, `vllm` and `redis` markers, and the Redis Cluster fixtures.
+"""Shared pytest wiring: the `gpu`, `vllm` and `redis` markers, the vLLM harness's fixtures and
+the Redis Cluster fixtures.
 
 `gpu` tests skip cleanly without CUDA. `vllm` tests skip where vLLM is not importable, except
 when KVCONNECTOR_REQUIRE_VLLM is set (by .ci/run): then a missing vLLM is an error, so CI can never
@@ -72,6 +73,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                                     f"is what imports")
     if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1" and (missing := _redis_missing()):
         raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_REDIS=1 but {missing}")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Llama config the vLLM harness's engines load (tests/vllm_harness.py)."""
+    from vllm_harness import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def engines_shut_down() -> Iterator[None]:
+    """After the test: every vLLM harness engine it made shut down, copies in flight released
+    and remote clients closed (vLLM modules use it for every test)."""
+    yield
+    from vllm_harness import Engine
+
+    Engine.shutdown_all()
 
 
 @pytest.fixture(scope="module")

@@ -24,30 +24,15 @@ from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
 from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis_values import RedisAuth, redis_key  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.redis]
+pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.usefixtures("engines_shut_down")]
 
 BS = h.BLOCK_SIZE
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return h.write_model_dir(tmp_path_factory.mktemp("tiny-llama-redis"))
-
-
-@pytest.fixture(autouse=True)
-def shut_engines_down() -> None:
-    yield
-    h.shutdown_remote_engines()
-
-
-def block_bytes(tp: int) -> int:
-    return h.NUM_LAYERS * (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2
-
-
 def make_engine(model_dir: str, cluster: LocalRedisCluster, async_scheduling: bool = False,
                 tp: int = 1, password_file: Path | None = None) -> h.Engine:
-    config = {"cpu_bytes": 64 * block_bytes(tp), "remote_url": cluster.url,
+    config = {"cpu_bytes": 64 * h.block_bytes(tp), "remote_url": cluster.url,
               "remote_redis_password_file": str(password_file or cluster.password_file),
               # A new engine's first lookup waits for its client to read the slot map: on a
               # busy 2-core runner that took 0.65 s once, against 0.1-0.2 s usually.

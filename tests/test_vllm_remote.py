@@ -30,7 +30,7 @@ from transfer.remote.client import StoreClient  # noqa: E402
 from transfer.remote.security import Security  # noqa: E402
 from transfer.remote.testing import StoreProcess  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
 BS = h.BLOCK_SIZE
 MAX_STEPS = h.REMOTE_MAX_STEPS
@@ -39,30 +39,15 @@ TIMEOUT_S = 1.0
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return h.write_model_dir(tmp_path_factory.mktemp("tiny-llama-remote"))
-
-
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[StoreProcess]:
     with StoreProcess(tmp_path / "store.log", capacity="64MiB") as process:
         yield process
 
 
-@pytest.fixture(autouse=True)
-def shut_engines_down() -> Iterator[None]:
-    yield
-    h.shutdown_remote_engines()
-
-
-def block_bytes(tp: int) -> int:
-    return h.NUM_LAYERS * (h.NUM_KV_HEADS // tp) * BS * 2 * h.HEAD_SIZE * 2
-
-
 def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: int = 1,
                 cpu_slots: int = 64, pp: int = 1, **extra: object) -> h.Engine:
-    config = {"cpu_bytes": cpu_slots * block_bytes(tp), "remote_url": url,
+    config = {"cpu_bytes": cpu_slots * h.block_bytes(tp), "remote_url": url,
               "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -92,7 +77,7 @@ def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
     run_to_completion(first, {"a": (prompt, 3)})
     stats = store_stats(store.url)
     # Write-through: every full block of every rank, once; the stages' layers add up to a block.
-    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp * pp, 4 * tp * block_bytes(tp))
+    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp * pp, 4 * tp * h.block_bytes(tp))
 
     second = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp)
     poison_gpu(second)
@@ -107,7 +92,7 @@ def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
         assert worker.starts["b"] == [4 * BS]  # resumed after the remote load
         assert worker.prefix_checks == 4 * BS  # every fetched byte compared
     stats = store_stats(store.url)
-    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp * pp, 4 * tp * block_bytes(tp))
+    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp * pp, 4 * tp * h.block_bytes(tp))
     assert remote_failures(second) == 0
     # The fetched blocks now live in the second engine's CPU tier too: a third request sharing
     # two blocks is served from the host pool without asking the store for them.

@@ -3,20 +3,15 @@
 Real: VllmConfig over a tiny local config.json (HF_HUB_OFFLINE=1); vLLM's layout resolution
 (`resolve_kv_cache_layout`, which asks the connector class); its KV cache config builder and
 `allocate_kv_cache`; its connector factory (both roles, from the module path); its `Scheduler`
-or `AsyncScheduler`; its worker-side connector driver (`ActiveKVConnector`, the V2 model
-runner's); its `KVOutputAggregator` across TP ranks. Stand-in: the model forward only.
-
-The fake model is deterministic: the KV it writes at position p (every layer, every rank) and
-the token it samples after p are functions of the prompt and tokens up to p (a chained hash), so
-a block holds the same bytes whoever computes it, and the harness can say, for every position a
-request reads, which bytes must be there. `Worker.execute` checks them in each forward of a
-request that starts with computed tokens (a local prefix hit or a load).
+or `AsyncScheduler`, with n-gram speculative decoding when asked (the drafts are the harness's);
+its worker-side connector driver (`ActiveKVConnector`, the V2 model runner's); its
+`KVOutputAggregator` across TP ranks. Stand-in: the model forward only
+(tests/vllm_fake_worker.py: a deterministic fake model, and the byte checks it allows).
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import random
@@ -24,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,12 +33,10 @@ from vllm.config import (  # noqa: E402
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
@@ -56,29 +49,30 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+from vllm_fake_worker import (  # noqa: E402
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    TokenSequence,
+    Worker,
+)
 
-from transfer.copy_backends import Gate, ThreadBackend  # noqa: E402
+from kvconnector.offload_worker import BLOCK_MAJOR, PER_LAYER  # noqa: E402
+from kvconnector.vllm import CrossLayerOffloadConnector  # noqa: E402
+from kvconnector.vllm_stats import OffloadStats  # noqa: E402
 
 try:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 except ImportError:  # vLLM 0.33 moved the planner
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 
-# vLLM 0.33's driver can take transfer results before the stores (see EngineSetup.speculator)
-DEFERS_FINALIZE = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters
-NUM_LAYERS = 4  # even: two pipeline stages of equal size share a block layout
-NUM_KV_HEADS = 2
-HEAD_SIZE = 16
-DTYPE = torch.bfloat16
-BLOCK_SIZE = 16
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # vLLM's default order
-_PRIME = (1 << 61) - 1
 
 
 def write_model_dir(path: Path) -> str:
@@ -91,40 +85,6 @@ def write_model_dir(path: Path) -> str:
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
         "bos_token_id": 1, "eos_token_id": 2}))
     return str(path)
-
-
-# -- the fake model ----------------------------------------------------------------------------
-class TokenSequence:
-    """Tokens and prefix hashes of one prompt's continuation, extended on demand."""
-
-    def __init__(self, prompt: list[int]) -> None:
-        self.tokens = list(prompt)
-        self.hashes: list[int] = []
-
-    def hash_at(self, position: int) -> int:
-        while len(self.hashes) <= position:
-            p = len(self.hashes)
-            if p == len(self.tokens):
-                self.tokens.append(next_token(self.hashes[-1]))
-            previous = self.hashes[-1] if self.hashes else 7
-            self.hashes.append((previous * 1_000_003 + self.tokens[p] + 1) % _PRIME)
-        return self.hashes[position]
-
-    def hashes_between(self, start: int, end: int) -> torch.Tensor:
-        if end > start:
-            self.hash_at(end - 1)
-        return torch.tensor(self.hashes[start:end], dtype=torch.int64)
-
-
-def next_token(prefix_hash: int) -> int:
-    return 3 + prefix_hash % 997  # never EOS (2)
-
-
-def kv_rows(prefix_hashes: torch.Tensor, layer: int, rank: int, row_bytes: int) -> torch.Tensor:
-    """(positions, row_bytes) uint8: the KV the fake model writes for one layer on one rank."""
-    h = prefix_hashes.unsqueeze(1)
-    index = torch.arange(row_bytes, dtype=torch.int64).unsqueeze(0)
-    return ((index * (h % 127 + 1) + h % 251 + layer * 31 + rank * 17) % 256).to(torch.uint8)
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -143,6 +103,10 @@ class EngineSetup:
     # drafter's forward, `wait_for_save` after it (`post_forward(defer_finalize=True)`, then
     # `finalize_step()`). The last layer stands for the drafter's, written in between.
     speculator: bool = False
+    # Speculative decoding (Scheduler only): after each step every decoding request gets this
+    # many drafts, of which the first `draft_acceptance[i % len]` are right at its i-th draft.
+    num_speculative_tokens: int = 0
+    draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -150,6 +114,13 @@ class EngineSetup:
 def make_vllm_config(setup: EngineSetup) -> VllmConfig:
     model = ModelConfig(model=setup.model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                         seed=0, max_model_len=1024)
+    speculative = None
+    if setup.num_speculative_tokens:
+        if setup.async_scheduling:  # the model runner would have to roll back positions itself
+            raise ValueError("the harness drafts under the Scheduler only")
+        speculative = SpeculativeConfig(method="ngram",
+                                        num_speculative_tokens=setup.num_speculative_tokens,
+                                        prompt_lookup_min=1, prompt_lookup_max=3)
     return VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
@@ -167,6 +138,7 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
         # The model forward is faked; the backend stands for the CUDA one a deployment would run
         # (left unset on a CPU platform, the connector keeps vLLM's default layout).
         attention_config=AttentionConfig(backend=AttentionBackendEnum.TRITON_ATTN),
+        speculative_config=speculative,
         device_config=DeviceConfig("cpu"))
 
 
@@ -181,159 +153,22 @@ def stage_layers(pp_size: int) -> list[range]:
     return [range(*get_pp_indices(NUM_LAYERS, stage, pp_size)) for stage in range(pp_size)]
 
 
-def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
-    """The config a worker process of `rank` sees."""
-    config = copy.copy(vllm_config)
-    config.parallel_config = copy.copy(vllm_config.parallel_config)
-    config.parallel_config.rank = rank
-    return config
+class Variant(NamedTuple):
+    """An engine shape a scenario runs in (see make_engine)."""
+
+    layout: str  # BLNHC: the connector's own (block-major); else set as VLLM_KV_CACHE_LAYOUT
+    tp: int = 1
+    pp: int = 1
+    async_scheduling: bool = False
+    speculator: bool = False  # EngineSetup.speculator: vLLM 0.33's step order
+    drafts: int = 0  # EngineSetup.num_speculative_tokens
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
 
 
 # -- the engine -----------------------------------------------------------------------------------
-@dataclass
-class _RequestState:
-    sequence: TokenSequence
-    block_ids: list[int]
-
-
-class Worker:
-    """One GPU worker: vLLM's cache and worker-side connector driver, and the fake forward."""
-
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
-                 requests: dict[str, Request], gate: Gate | None = None,
-                 speculator: bool = False, last_stage: bool = True) -> None:
-        self.rank = rank
-        self.speculator = speculator
-        self.last_stage = last_stage  # earlier stages sample nothing: connector output only
-        self.vllm_config = rank_config(vllm_config, rank)
-        self.connector = KVConnectorFactory.create_connector(self.vllm_config,
-                                                             KVConnectorRole.WORKER,
-                                                             kv_cache_config)
-        if gate is not None:  # the connector's copy-backend seam: the same engine, held jobs
-            self.connector.copy_backend = lambda device: ThreadBackend(gate)
-        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # what the driver looks up
-        try:
-            self.driver = ActiveKVConnector(self.vllm_config, self.caches)  # registers the caches
-        finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = None
-        self.scheduler_requests = requests  # the scheduler's view, to know a prefill chunk
-        self.states: dict[str, _RequestState] = {}
-        self.starts: dict[str, list[int]] = {}  # request -> computed tokens at each (re)start
-        self.block_history: dict[str, set[int]] = {}  # request -> every block it was given
-        self.prefix_checks = 0  # prefix positions verified where a forward reads them
-
-    def pages(self, layer: str) -> torch.Tensor:
-        """(blocks, H, N, C bytes) uint8 view of one layer."""
-        return self.caches[layer].view(torch.uint8)
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        fresh = self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return self.driver.no_forward(so)
-        self.driver.pre_forward(so)
-        drafter = self.layer_names[-1:] if self.speculator else []
-        target = self.layer_names[:len(self.layer_names) - len(drafter)]
-        sampled = {req_id: self._forward(req_id, n, target)
-                   for req_id, n in so.num_scheduled_tokens.items()}
-        # Attention reads after every request's KV of this step is written (a model writes the
-        # KV of a layer before attending): a prefix hit on blocks another request of the same
-        # step computes is legitimate.
-        for req_id in fresh:
-            self.starts.setdefault(req_id, []).append(self._start(req_id))
-            self.check_prefix(req_id, self._start(req_id), target)
-        self.driver.finish_forward()
-        if drafter:  # stores submitted before the drafter's forward would copy stale bytes
-            kv_output = self.driver.post_forward(so.finished_req_ids, defer_finalize=True)
-            for req_id, n in so.num_scheduled_tokens.items():
-                self._forward(req_id, n, drafter)
-            for req_id in fresh:  # the drafter attends after its layer of this step is written
-                self.check_prefix(req_id, self._start(req_id), drafter)
-            self.driver.finalize_step()
-        else:
-            kv_output = self.driver.post_forward(so.finished_req_ids)
-        if not self.last_stage:
-            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
-        req_ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=[sampled[r] for r in req_ids],
-                                 kv_connector_output=kv_output)
-
-    def _update_states(self, so: SchedulerOutput) -> list[str]:
-        """Track block tables as a model runner does; returns requests (re)starting now."""
-        for req_id in so.finished_req_ids:
-            self.states.pop(req_id, None)
-        fresh = []
-        for data in so.scheduled_new_reqs:
-            self.states[data.req_id] = _RequestState(TokenSequence(data.prompt_token_ids),
-                                                     list(data.block_ids[0]))
-            fresh.append(data.req_id)
-        cached = so.scheduled_cached_reqs
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            state = self.states[req_id]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
-                fresh.append(req_id)
-            elif new_ids:
-                state.block_ids.extend(new_ids[0])
-        for req_id in so.num_scheduled_tokens:
-            self.block_history.setdefault(req_id, set()).update(self.states[req_id].block_ids)
-        self._starts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        self._starts.update((d.req_id, d.num_computed_tokens) for d in so.scheduled_new_reqs)
-        return fresh
-
-    def _start(self, req_id: str) -> int:
-        return self._starts[req_id]
-
-    def _forward(self, req_id: str, num_tokens: int, layers: list[str]) -> list[int]:
-        """Write `layers`' KV of the request's scheduled tokens; the token sampled, if any."""
-        state = self.states[req_id]
-        start = self._start(req_id)
-        end = start + num_tokens
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
-        hashes = state.sequence.hashes_between(start, end)
-        for layer in layers:
-            pages = self.pages(layer)
-            rows = kv_rows(hashes, self.layer_names.index(layer), self.rank,
-                           pages.shape[1] * pages.shape[3])
-            pages[blocks, :, positions % BLOCK_SIZE, :] = rows.view(len(positions),
-                                                                    pages.shape[1], -1)
-        if end < self.scheduler_requests[req_id].num_tokens:
-            return []  # a prefill chunk samples nothing
-        return [next_token(state.sequence.hash_at(end - 1))]
-
-    def check_prefix(self, req_id: str, num_tokens: int, layers: list[str] | None = None) -> None:
-        """Every byte of positions [0, num_tokens) of `layers` (default: all) is what the fake
-        model writes there."""
-        if num_tokens == 0:
-            return
-        state = self.states[req_id]
-        positions = torch.arange(num_tokens)
-        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
-        hashes = state.sequence.hashes_between(0, num_tokens)
-        for layer in self.layer_names if layers is None else layers:
-            pages = self.pages(layer)
-            want = kv_rows(hashes, self.layer_names.index(layer), self.rank,
-                           pages.shape[1] * pages.shape[3])
-            got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(num_tokens, -1)
-            bad = (got != want).any(dim=1).nonzero().flatten().tolist()
-            if bad:
-                raise AssertionError(f"rank {self.rank} request {req_id} layer {layer}: "
-                                     f"{len(bad)} of {num_tokens} positions hold wrong KV, "
-                                     f"first at position {bad[0]} (block "
-                                     f"{int(blocks[bad[0]])})")
-        if layers is None or layers[-1] == self.layer_names[-1]:  # each position counted once
-            self.prefix_checks += num_tokens
-
-    def drain(self) -> None:
-        """Block until this worker's copies in flight are done (a quiet engine step)."""
-        self.connector._worker.drain()
-
-
 class Engine:
     """A scheduler, its workers and vLLM's aggregation, stepped like EngineCore does (with a
     batch queue of depth 2 under async scheduling)."""
@@ -380,14 +215,20 @@ class Engine:
         self.stats: list[dict[str, Any]] = []  # the connector stats of every step
         self.steps = 0
         self.preemptions = 0
+        self.truths: dict[str, TokenSequence] = {}  # request -> its true continuation
+        self.drafted: dict[str, int] = {}  # request -> drafts proposed for it so far
+        self.spec_counts = [0, 0]  # drafts scheduled, drafts accepted (from vLLM's stats)
         self.drain_when_idle = True  # off while a test holds a copy in flight
         Engine.live.append(self)
 
     @classmethod
     def shutdown_all(cls) -> None:
-        """Release every held copy, then shut the workers' connectors down (lanes, pools)."""
+        """Close remote lookup clients, release every held copy, then shut the workers'
+        connectors down (lanes, pools)."""
         while cls.live:
             engine = cls.live.pop()
+            if engine.connector._remote_lookups is not None:
+                engine.connector._remote_lookups.close()
             for gate in engine.gates:
                 for event in gate.hold.values():
                     event.set()
@@ -403,6 +244,7 @@ class Engine:
                           block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
         self.scheduler.add_request(request)
         self.added.add(req_id)
+        self.truths[req_id] = TokenSequence(prompt)
         return request
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -422,6 +264,8 @@ class Engine:
         if not self.setup.async_scheduling:
             so = self.scheduler.schedule()
             self._update(so, self._execute(so))
+            if self.setup.num_speculative_tokens and so.total_num_scheduled_tokens:
+                self._propose_drafts(list(so.num_scheduled_tokens))
             return
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()
@@ -437,8 +281,28 @@ class Engine:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finish_reason is not None:
                     self.finished[out.request_id] = self.outputs[out.request_id]
-            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
-                self.stats.append(eco.scheduler_stats.kv_connector_stats)
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.stats.append(stats.kv_connector_stats)
+            if stats is not None and stats.spec_decoding_stats is not None:
+                self.spec_counts[0] += stats.spec_decoding_stats.num_draft_tokens
+                self.spec_counts[1] += stats.spec_decoding_stats.num_accepted_tokens
+
+    def _propose_drafts(self, req_ids: list[str]) -> None:
+        """What EngineCore.post_step does with the drafter's proposals (vLLM ignores drafts for
+        finished requests and prefill chunks)."""
+        ids, drafts = [], []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            count = self.drafted.get(req_id, 0)
+            self.drafted[req_id] = count + 1
+            accepted = self.setup.draft_acceptance[count % len(self.setup.draft_acceptance)]
+            ids.append(req_id)
+            drafts.append(self.truths[req_id].drafts(request.num_tokens,
+                                                     self.setup.num_speculative_tokens, accepted))
+        self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 2000) -> None:
         """Step until `until()` (default: the scheduler has nothing left, queue empty)."""
@@ -485,18 +349,59 @@ class HeldGate:
             event.wait()
 
 
-# Shared by the remote-tier scenarios (tests/test_vllm_remote.py, tests/test_vllm_redis.py).
+# -- helpers shared by the scenarios (tests/test_vllm*.py) -----------------------------------------
 POISON = 0x5A
 REMOTE_MAX_STEPS = 200_000
 
 
-def shutdown_remote_engines() -> None:
-    """Close the live engines' remote lookup clients, then shut the engines down."""
-    for engine in list(Engine.live):
-        lookups = engine.connector._remote_lookups
-        if lookups is not None:
-            lookups.close()
-    Engine.shutdown_all()
+def page_bytes(tp: int) -> int:
+    """One layer's bytes of one block on one rank."""
+    return (NUM_KV_HEADS // tp) * BLOCK_SIZE * 2 * HEAD_SIZE * 2
+
+
+def block_bytes(tp: int) -> int:
+    """A whole block's bytes on one rank (every layer, one pipeline stage)."""
+    return NUM_LAYERS * page_bytes(tp)
+
+
+def make_engine(model_dir: str, variant: tuple, gates: list[HeldGate] | None = None,
+                cpu_slots: int = 256, **setup: Any) -> Engine:
+    """An engine of `variant` (a Variant or its fields) whose pool holds `cpu_slots` blocks;
+    checks that the connector moves blocks the way the layout calls for."""
+    variant = Variant(*variant)
+    layer_bytes = page_bytes(variant.tp)
+    largest_stage = max(map(len, stage_layers(variant.pp)))
+    engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
+                                tensor_parallel_size=variant.tp, pipeline_parallel_size=variant.pp,
+                                speculator=variant.speculator,
+                                num_speculative_tokens=variant.drafts,
+                                extra_config={"cpu_bytes": cpu_slots * largest_stage * layer_bytes},
+                                **setup), gates=gates)
+    assert engine.layout == variant.layout
+    mode = BLOCK_MAJOR if variant.layout == "BLNHC" else PER_LAYER
+    for worker in engine.workers:
+        assert worker.connector._worker.mode == mode
+        # a slot holds its stage's layers only
+        assert worker.connector._worker.block_bytes == len(worker.layer_names) * layer_bytes
+    return engine
+
+
+def stored_tokens(engine: Engine, prompt: list[int]) -> int:
+    """Tokens of the longest prefix of `prompt` the CPU tier holds now."""
+    core = engine.connector._scheduler
+    request = Request("probe", prompt, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    keys = core.namespace.keys(request.block_hashes)
+    return BLOCK_SIZE * next((i for i, key in enumerate(keys) if not core.index.contains(key)),
+                             len(keys))
+
+
+def total_stats(engine: Engine) -> OffloadStats:
+    """The connector stats of every step so far, aggregated."""
+    total = OffloadStats()
+    for data in engine.stats:
+        total.aggregate(CrossLayerOffloadConnector.build_kv_connector_stats(data))
+    return total
 
 
 def on_planned_load(engine: Engine, action: Callable[[], None]) -> None:

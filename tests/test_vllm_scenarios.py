@@ -1,0 +1,312 @@
+"""CrossLayerOffloadConnector inside vLLM 0.32 and 0.33, the acceptance scenarios: its Scheduler
+and AsyncScheduler, its cache allocation and worker-side driver, with a fake model forward
+(tests/vllm_harness.py).
+
+Every scenario runs in each of VARIANTS: block-major (the connector's own BLNHC request) and the
+per-layer fallback (VLLM_KV_CACHE_LAYOUT=LBNHC), at TP 1 and TP 2 (two workers merged by vLLM's
+KVOutputAggregator), each under Scheduler and AsyncScheduler; with two pipeline stages (PP 2 at
+TP 1 and 2, Scheduler: each stage's workers hold and move their own layers; earlier stages
+return only connector output, merged at the last stage's rank as vLLM's executor does); with
+speculative decoding (vLLM's n-gram config, the harness's drafts: 3 a step, some rejected, whose
+KV stays in the cache until a later step rewrites it); and on vLLM 0.33 in a speculator's step
+order (transfer results taken before the stores, a drafter layer written in between). Before
+each forward of a request that starts with computed tokens, the harness compares every byte of
+them with what the fake model writes there; the GPU caches are poisoned before loads.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+import vllm_harness as h  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm_fake_worker import DEFERS_FINALIZE, chain, kv_rows  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    make_engine,
+    make_prompt,
+    poison_gpu,
+    run_to_completion,
+    stored_tokens,
+    total_stats,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
+
+BS = h.BLOCK_SIZE
+NEEDS_DEFERRED_FINALIZE = pytest.mark.skipif(
+    not DEFERS_FINALIZE, reason="a speculator's step order needs vLLM 0.33's driver")
+V = h.Variant
+VARIANTS = [
+    pytest.param(V("BLNHC"), id="block-major-Scheduler"),
+    pytest.param(V("BLNHC", async_scheduling=True), id="block-major-AsyncScheduler"),
+    pytest.param(V("LBNHC"), id="per-layer-Scheduler"),
+    pytest.param(V("LBNHC", async_scheduling=True), id="per-layer-AsyncScheduler"),
+    pytest.param(V("BLNHC", tp=2), id="tp2-Scheduler"),
+    pytest.param(V("BLNHC", tp=2, async_scheduling=True), id="tp2-AsyncScheduler"),
+    pytest.param(V("BLNHC", pp=2), id="pp2-Scheduler"),
+    # (vLLM's config refuses PP with async scheduling under Model Runner V1)
+    pytest.param(V("BLNHC", tp=2, pp=2), id="tp2-pp2-Scheduler"),
+    # speculative decoding: 3 drafts a step, some rejected (their KV written, then rewritten)
+    pytest.param(V("BLNHC", drafts=3), id="drafts-Scheduler"),
+    pytest.param(V("LBNHC", tp=2, drafts=3), id="drafts-per-layer-tp2-Scheduler"),
+    pytest.param(V("BLNHC", speculator=True, drafts=3), id="speculator-drafts-Scheduler",
+                 marks=NEEDS_DEFERRED_FINALIZE),
+    pytest.param(V("BLNHC", tp=2, async_scheduling=True, speculator=True),
+                 id="speculator-tp2-AsyncScheduler", marks=NEEDS_DEFERRED_FINALIZE),
+]
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> h.Variant:
+    layout = request.param[0]
+    if layout != "BLNHC":
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)  # the engine override wins
+    return request.param
+
+
+# -- the acceptance scenarios, in every variant ------------------------------------------------
+def test_identical_request_loads_every_stored_byte(model_dir: str, variant: h.Variant) -> None:
+    engine = make_engine(model_dir, variant)
+    prompt = make_prompt(1, 4 * BS + 6)
+    run_to_completion(engine, {"a": (prompt, 3)})
+    assert stored_tokens(engine, prompt) == 4 * BS  # every full block, the partial one not
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    engine.add("b", prompt, max_tokens=3)
+    engine.step()
+    assert engine.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    checked = [w.prefix_checks for w in engine.workers]
+    run_to_completion(engine, {"b": (prompt, 3)})
+    for worker, before in zip(engine.workers, checked, strict=True):
+        assert worker.starts["b"] == [4 * BS]  # resumed after the load with 64 tokens computed
+        assert worker.prefix_checks - before == 4 * BS  # every loaded byte compared
+    stats = total_stats(engine)
+    block_bytes = sum(worker.connector._worker.block_bytes for worker in engine.workers)
+    assert (stats.data["hit_tokens"], stats.data["failed_loads"]) == (4 * BS, 0)
+    assert stats.data["load_bytes"] == 4 * block_bytes  # every rank's bytes of 4 blocks
+    assert stats.data["store_bytes"] == 4 * block_bytes
+
+
+def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
+                                                           variant: h.Variant) -> None:
+    engine = make_engine(model_dir, variant)
+    prompt = make_prompt(2, 5 * BS)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    shares_two = prompt[:2 * BS + 5] + make_prompt(3, 2 * BS)
+    shares_none = [prompt[0] + 1] + prompt[1:]
+    run_to_completion(engine, {"c": (shares_two, 2), "d": (shares_none, 2)})
+    for worker in engine.workers:
+        assert worker.starts["c"] == [2 * BS]
+        assert worker.starts["d"] == [0]
+
+
+def test_decoded_blocks_are_stored_and_a_follow_up_turn_loads_them_bit_exact(
+        model_dir: str, variant: h.Variant) -> None:
+    # A chat's next turn starts with the previous turn's prompt and answer. Blocks filled while
+    # decoding are stored too, each once its hash exists: under async scheduling and with drafts
+    # the scheduled tokens run ahead of the tokens with hashes (vLLM #36052 lost such blocks).
+    engine = make_engine(model_dir, variant)
+    prompt = make_prompt(15, 2 * BS + 5)
+    run_to_completion(engine, {"a": (prompt, 4 * BS + 3)})
+    turn = prompt + engine.finished["a"]  # 6 full blocks and 8 tokens
+    assert stored_tokens(engine, turn) == 6 * BS
+    if variant.drafts:  # drafts were scheduled, and some of their KV was that of rejected ones
+        drafted, accepted = engine.spec_counts
+        assert 0 < accepted < drafted
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    checked = [w.prefix_checks for w in engine.workers]
+    run_to_completion(engine, {"b": (turn + make_prompt(16, 5), 3)})
+    for worker, before in zip(engine.workers, checked, strict=True):
+        assert worker.starts["b"] == [6 * BS]
+        assert worker.prefix_checks - before == 6 * BS  # every loaded byte compared
+
+
+def test_a_request_ending_on_a_block_boundary_never_stores_its_last_block(
+        model_dir: str, variant: h.Variant) -> None:
+    # The last sampled token's KV is never computed: its slot holds stale bytes, or with drafts
+    # the KV of the draft rejected there, which looks valid. Storing that block under the hash
+    # of its tokens poisons every later request that shares them (vLLM #54193). Every draft is
+    # rejected here, so the slot always holds a rejected draft's KV.
+    engine = make_engine(model_dir, variant, draft_acceptance=(0,))
+    prompt = make_prompt(17, 3 * BS + 6)
+    engine.add("a", prompt, max_tokens=BS - 6)
+    engine.run(until=lambda: "a" in engine.finished)
+    if variant.drafts:
+        worker, truth, last = engine.workers[0], engine.truths["a"], 4 * BS - 1
+        rejected = chain(truth.hash_at(last - 1), truth.drafts(last, 1, accepted=0)[0])
+        held = worker.slot("a", last)
+        assert torch.equal(held, kv_rows(torch.tensor([rejected]), 0, 0, held.numel())[0])
+    run_to_completion(engine, {"a": (prompt, BS - 6)})
+    turn = prompt + engine.finished["a"]
+    assert len(turn) == 4 * BS
+    assert stored_tokens(engine, turn) == 3 * BS
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    run_to_completion(engine, {"b": (turn + make_prompt(18, 5), 2)})  # the check reads 4 blocks
+    for worker in engine.workers:
+        assert worker.starts["b"] == [3 * BS]
+
+
+def test_full_prompt_hit_recomputes_only_the_last_token(model_dir: str) -> None:
+    engine = make_engine(model_dir, V("BLNHC"))
+    prompt = make_prompt(4, 3 * BS)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    engine.add("b", prompt, max_tokens=2)
+    run_to_completion(engine, {"b": (prompt, 2)})
+    assert engine.workers[0].starts["b"] == [3 * BS - 1]
+
+
+def test_failed_load_is_recomputed(model_dir: str, variant: h.Variant) -> None:
+    gates = [h.HeldGate() for _ in range(h.Variant(*variant).ranks)]
+    engine = make_engine(model_dir, variant, gates=gates)
+    prompt = make_prompt(5, 3 * BS + 3)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    load_job = engine.connector._scheduler._next_job_id  # the next job is b's load
+    for gate in gates:
+        gate.fail.add(load_job)
+    engine.add("b", prompt, max_tokens=2)
+    run_to_completion(engine, {"b": (prompt, 2)})
+    assert all(gate.seen.count(load_job) == 1 for gate in gates)  # it ran, and failed, everywhere
+    for worker in engine.workers:
+        assert worker.starts["b"] == [0]  # recomputed from scratch, never read poison
+    stats = total_stats(engine)
+    assert (stats.data["failed_loads"], stats.data["hit_tokens"]) == (1, 3 * BS)
+    assert stored_tokens(engine, prompt) == 3 * BS  # the recomputed blocks are stored again
+
+
+def test_failed_load_fails_the_request_under_the_fail_policy(model_dir: str,
+                                                             variant: h.Variant) -> None:
+    gates = [h.HeldGate() for _ in range(h.Variant(*variant).ranks)]
+    engine = make_engine(model_dir, variant, gates=gates, kv_load_failure_policy="fail")
+    prompt = make_prompt(13, 2 * BS + 3)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    for gate in gates:
+        gate.fail.add(engine.connector._scheduler._next_job_id)
+    engine.add("b", prompt, max_tokens=2)
+    engine.run()
+    assert engine.finished["b"] == []  # finished with an error, never served poisoned KV
+    assert all("b" not in w.starts for w in engine.workers)
+    engine.assert_no_leaks()
+
+
+def test_reset_connector_cache_empties_the_tier(model_dir: str) -> None:
+    engine = make_engine(model_dir, V("BLNHC", async_scheduling=True))
+    prompt = make_prompt(14, 3 * BS)
+    run_to_completion(engine, {"a": (prompt, 2)})
+    assert stored_tokens(engine, prompt) == 3 * BS
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert stored_tokens(engine, prompt) == 0
+    run_to_completion(engine, {"b": (prompt, 2)})
+    assert engine.workers[0].starts["b"] == [0]
+    assert stored_tokens(engine, prompt) == 3 * BS
+
+
+def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
+        model_dir: str, variant: h.Variant) -> None:
+    # a's store held
+    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(h.Variant(*variant).ranks)]
+    engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
+    prompt, other = make_prompt(6, 4 * BS + 6), make_prompt(7, 5 * BS + 10)
+    engine.drain_when_idle = False
+    engine.add("a", prompt, max_tokens=3)
+    engine.step()
+    a_blocks = set(engine.scheduler.kv_cache_manager.get_block_ids("a")[0])
+    assert len(a_blocks) == 5
+    engine.run(until=lambda: "a" in engine.finished)
+    engine.add("e", other, max_tokens=2)  # needs 6 of the 9 blocks: only 4 are free
+    for _ in range(6):
+        engine.step()
+    assert "a" in engine.scheduler.requests  # finished, blocks held for the store
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].ref_cnt > 0 for b in a_blocks)
+    assert not any(a_blocks & set(w.states["e"].block_ids)
+                   for w in engine.workers if "e" in w.states)
+    assert "e" not in engine.finished
+    for gate in gates:
+        gate.hold[0].set()
+    engine.drain_when_idle = True
+    run_to_completion(engine, {"a": (prompt, 3), "e": (other, 2)})
+    # The store read a's bytes, not e's: load them into a poisoned cache and compare.
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    engine.add("b", prompt, max_tokens=3)
+    run_to_completion(engine, {"b": (prompt, 3)})
+    assert all(w.starts["b"] == [4 * BS] for w in engine.workers)
+
+
+def test_preempted_request_store_finishes_before_its_blocks_are_rewritten(
+        model_dir: str, variant: h.Variant) -> None:
+    # e and a fill the pool; when e needs one more block, vLLM preempts a (the newest) and hands
+    # its blocks to e while a's store (job 1) is held in flight on the copy thread. The flush
+    # before that step's forward releases it and must wait for it.
+    gates = [h.HeldGate(hold={1: threading.Event()}) for _ in range(h.Variant(*variant).ranks)]
+    engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
+    flushes: list[tuple[int, bool]] = []  # (rank, store 1 still in flight) per flush of it
+    for worker in engine.workers:
+        core = worker.connector._worker
+        original = core.flush
+
+        def flush(step, core=core, original=original, rank=worker.rank):
+            if 1 in step.flush:
+                flushes.append((rank, not core.engine.wait([1], timeout=0)))
+                gates[rank].hold[1].set()  # the copy may run now; flush must wait for it
+            original(step)
+            if 1 in step.flush:
+                assert core.engine.wait([1], timeout=0), "flush returned before the store ended"
+
+        core.flush = flush
+    e, a = make_prompt(8, 4 * BS - 4), make_prompt(9, 4 * BS + 6)
+    engine.drain_when_idle = False  # the held copy would block a quiet step's drain
+    engine.add("e", e, max_tokens=30)
+    engine.add("a", a, max_tokens=30)
+    engine.step()
+    jobs = engine.connector._scheduler._jobs
+    assert (jobs[1].req_id, jobs[1].is_store, len(jobs[1].keys)) == ("a", True, 4)
+    a_blocks = set(engine.scheduler.kv_cache_manager.get_block_ids("a")[0])
+    engine.run(until=lambda: bool(flushes), max_steps=100)
+    engine.drain_when_idle = True
+    run_to_completion(engine, {"e": (e, 30), "a": (a, 30)})
+    assert engine.preemptions == 1
+    assert flushes == [(w.rank, True) for w in engine.workers]
+    for worker in engine.workers:
+        assert a_blocks & worker.block_history["e"], "e never got any of a's freed blocks"
+        # a resumed by loading what the held store copied: a's bytes, not e's (compared).
+        assert worker.starts["a"] == [0, 4 * BS]
+
+
+def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: h.Variant) -> None:
+    engine = make_engine(model_dir, variant, cpu_slots=12, num_gpu_blocks=16, max_num_seqs=6)
+    rng = random.Random(10)
+    families = [make_prompt(20 + i, 3 * BS) for i in range(4)]
+    requests = {}
+    for i in range(16):
+        prompt = families[i % 4][:rng.randrange(BS + 1, 3 * BS)] + make_prompt(40 + i,
+                                                                               rng.randrange(30))
+        requests[f"r{i}"] = (prompt, rng.randrange(4, 30))
+    run_to_completion(engine, requests)
+    assert engine.preemptions > 0
+    # Second wave, GPU prefix cache dropped: the CPU tier serves what it kept.
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    run_to_completion(engine, {f"again-{k}": v for k, v in requests.items()})
+    stats = total_stats(engine)
+    assert stats.data["hit_tokens"] > 0 and stats.data["evictions"] > 0
+    assert stats.data["failed_loads"] == stats.data["failed_stores"] == 0
+    assert sum(len(w.starts) for w in engine.workers) == len(engine.workers) * 32
+
+

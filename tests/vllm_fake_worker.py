@@ -1,0 +1,262 @@
+"""The GPU side of the CPU vLLM engine in tests/vllm_harness.py: a worker with vLLM's cache
+allocation and worker-side connector driver, and a fake, deterministic model forward.
+
+The KV the fake model writes at position p (every layer, every rank) and the token it samples
+after p are functions of the tokens up to p (a chained hash), so a block holds the same bytes
+whoever computes it, and the worker can say, for every position a request reads, which bytes must
+be there. `Worker.execute` checks them in each forward of a request that starts with computed
+tokens (a local prefix hit or a load).
+
+Speculative decoding: positions scheduled with draft tokens get the KV of the drafts (a rejected
+draft leaves KV that looks valid but belongs to a token vLLM did not keep, until a later step
+rewrites it); sampling verifies the drafts as a greedy rejection sampler does.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from transfer.copy_backends import Gate, ThreadBackend
+
+# vLLM 0.33's driver can take transfer results before the stores (see EngineSetup.speculator)
+DEFERS_FINALIZE = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters
+NUM_LAYERS = 4  # even: two pipeline stages of equal size share a block layout
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 16
+_PRIME = (1 << 61) - 1
+
+
+# -- the fake model ----------------------------------------------------------------------------
+def chain(previous: int | None, token: int) -> int:
+    """The prefix hash after `token`, given the one before it (None at position 0)."""
+    return ((7 if previous is None else previous) * 1_000_003 + token + 1) % _PRIME
+
+
+class TokenSequence:
+    """Tokens and prefix hashes of one prompt's continuation, extended on demand."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.tokens = list(prompt)
+        self.hashes: list[int] = []
+
+    def hash_at(self, position: int) -> int:
+        while len(self.hashes) <= position:
+            p = len(self.hashes)
+            if p == len(self.tokens):
+                self.tokens.append(next_token(self.hashes[-1]))
+            self.hashes.append(chain(self.hashes[-1] if self.hashes else None, self.tokens[p]))
+        return self.hashes[position]
+
+    def hashes_between(self, start: int, end: int) -> torch.Tensor:
+        if end > start:
+            self.hash_at(end - 1)
+        return torch.tensor(self.hashes[start:end], dtype=torch.int64)
+
+    def drafts(self, num_tokens: int, count: int, accepted: int) -> list[int]:
+        """`count` draft tokens after the first `num_tokens`: the true continuation for the first
+        `accepted`, a wrong token after that."""
+        self.hash_at(num_tokens + count - 1)
+        truth = self.tokens[num_tokens:num_tokens + count]
+        return [t if i < accepted else 3 + (t - 2) % 997 for i, t in enumerate(truth)]
+
+
+def next_token(prefix_hash: int) -> int:
+    return 3 + prefix_hash % 997  # never EOS (2)
+
+
+def kv_rows(prefix_hashes: torch.Tensor, layer: int, rank: int, row_bytes: int) -> torch.Tensor:
+    """(positions, row_bytes) uint8: the KV the fake model writes for one layer on one rank."""
+    h = prefix_hashes.unsqueeze(1)
+    index = torch.arange(row_bytes, dtype=torch.int64).unsqueeze(0)
+    return ((index * (h % 127 + 1) + h % 251 + layer * 31 + rank * 17) % 256).to(torch.uint8)
+
+
+
+def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
+    """The config a worker process of `rank` sees."""
+    config = copy.copy(vllm_config)
+    config.parallel_config = copy.copy(vllm_config.parallel_config)
+    config.parallel_config.rank = rank
+    return config
+
+
+# -- the worker ------------------------------------------------------------------------------------
+@dataclass
+class _RequestState:
+    sequence: TokenSequence
+    block_ids: list[int]
+
+
+class Worker:
+    """One GPU worker: vLLM's cache and worker-side connector driver, and the fake forward."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
+                 requests: dict[str, Request], gate: Gate | None = None,
+                 speculator: bool = False, last_stage: bool = True) -> None:
+        self.rank = rank
+        self.speculator = speculator
+        self.last_stage = last_stage  # earlier stages sample nothing: connector output only
+        self.vllm_config = rank_config(vllm_config, rank)
+        self.connector = KVConnectorFactory.create_connector(self.vllm_config,
+                                                             KVConnectorRole.WORKER,
+                                                             kv_cache_config)
+        if gate is not None:  # the connector's copy-backend seam: the same engine, held jobs
+            self.connector.copy_backend = lambda device: ThreadBackend(gate)
+        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+        self.caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # what the driver looks up
+        try:
+            self.driver = ActiveKVConnector(self.vllm_config, self.caches)  # registers the caches
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        self.scheduler_requests = requests  # the scheduler's view, to know a prefill chunk
+        self.states: dict[str, _RequestState] = {}
+        self.starts: dict[str, list[int]] = {}  # request -> computed tokens at each (re)start
+        self.block_history: dict[str, set[int]] = {}  # request -> every block it was given
+        self.prefix_checks = 0  # prefix positions verified where a forward reads them
+
+    def pages(self, layer: str) -> torch.Tensor:
+        """(blocks, H, N, C bytes) uint8 view of one layer."""
+        return self.caches[layer].view(torch.uint8)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        fresh = self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return self.driver.no_forward(so)
+        self.driver.pre_forward(so)
+        drafter = self.layer_names[-1:] if self.speculator else []
+        target = self.layer_names[:len(self.layer_names) - len(drafter)]
+        drafts = so.scheduled_spec_decode_tokens
+        sampled = {req_id: self._forward(req_id, n, target, drafts.get(req_id, []))
+                   for req_id, n in so.num_scheduled_tokens.items()}
+        # Attention reads after every request's KV of this step is written (a model writes the
+        # KV of a layer before attending): a prefix hit on blocks another request of the same
+        # step computes is legitimate.
+        for req_id in fresh:
+            self.starts.setdefault(req_id, []).append(self._start(req_id))
+            self.check_prefix(req_id, self._start(req_id), target)
+        self.driver.finish_forward()
+        if drafter:  # stores submitted before the drafter's forward would copy stale bytes
+            kv_output = self.driver.post_forward(so.finished_req_ids, defer_finalize=True)
+            for req_id, n in so.num_scheduled_tokens.items():
+                self._forward(req_id, n, drafter, drafts.get(req_id, []))
+            for req_id in fresh:  # the drafter attends after its layer of this step is written
+                self.check_prefix(req_id, self._start(req_id), drafter)
+            self.driver.finalize_step()
+        else:
+            kv_output = self.driver.post_forward(so.finished_req_ids)
+        if not self.last_stage:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        req_ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=[sampled[r] for r in req_ids],
+                                 kv_connector_output=kv_output)
+
+    def _update_states(self, so: SchedulerOutput) -> list[str]:
+        """Track block tables as a model runner does; returns requests (re)starting now."""
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        fresh = []
+        for data in so.scheduled_new_reqs:
+            self.states[data.req_id] = _RequestState(TokenSequence(data.prompt_token_ids),
+                                                     list(data.block_ids[0]))
+            fresh.append(data.req_id)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            state = self.states[req_id]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+                fresh.append(req_id)
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+        for req_id in so.num_scheduled_tokens:
+            self.block_history.setdefault(req_id, set()).update(self.states[req_id].block_ids)
+        self._starts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        self._starts.update((d.req_id, d.num_computed_tokens) for d in so.scheduled_new_reqs)
+        return fresh
+
+    def _start(self, req_id: str) -> int:
+        return self._starts[req_id]
+
+    def _forward(self, req_id: str, num_tokens: int, layers: list[str],
+                 drafts: list[int]) -> list[int]:
+        """Write `layers`' KV of the request's scheduled tokens (the last `len(drafts)` of them
+        draft tokens); the tokens sampled: none for a prefill chunk, else the drafts that match
+        what the model predicts, then its own next token."""
+        state = self.states[req_id]
+        start = self._start(req_id)
+        end = start + num_tokens
+        last_real = end - len(drafts)
+        hashes = state.sequence.hashes_between(start, last_real).tolist()
+        previous = state.sequence.hash_at(last_real - 1)  # decode: the last real token is input
+        for token in drafts:
+            previous = chain(previous, token)
+            hashes.append(previous)
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
+        for layer in layers:
+            pages = self.pages(layer)
+            rows = kv_rows(torch.tensor(hashes, dtype=torch.int64), self.layer_names.index(layer),
+                           self.rank, pages.shape[1] * pages.shape[3])
+            pages[blocks, :, positions % BLOCK_SIZE, :] = rows.view(len(positions),
+                                                                    pages.shape[1], -1)
+        if last_real < self.scheduler_requests[req_id].num_tokens:
+            return []  # a prefill chunk samples nothing
+        sampled = [next_token(state.sequence.hash_at(last_real - 1))]
+        for i, draft in enumerate(drafts):  # greedy verification: drafts kept up to a mismatch
+            if draft != sampled[-1]:
+                break
+            sampled.append(next_token(hashes[last_real - start + i]))
+        return sampled
+
+    def check_prefix(self, req_id: str, num_tokens: int, layers: list[str] | None = None) -> None:
+        """Every byte of positions [0, num_tokens) of `layers` (default: all) is what the fake
+        model writes there."""
+        if num_tokens == 0:
+            return
+        state = self.states[req_id]
+        positions = torch.arange(num_tokens)
+        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
+        hashes = state.sequence.hashes_between(0, num_tokens)
+        for layer in self.layer_names if layers is None else layers:
+            pages = self.pages(layer)
+            want = kv_rows(hashes, self.layer_names.index(layer), self.rank,
+                           pages.shape[1] * pages.shape[3])
+            got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(num_tokens, -1)
+            bad = (got != want).any(dim=1).nonzero().flatten().tolist()
+            if bad:
+                raise AssertionError(f"rank {self.rank} request {req_id} layer {layer}: "
+                                     f"{len(bad)} of {num_tokens} positions hold wrong KV, "
+                                     f"first at position {bad[0]} (block "
+                                     f"{int(blocks[bad[0]])})")
+        if layers is None or layers[-1] == self.layer_names[-1]:  # each position counted once
+            self.prefix_checks += num_tokens
+
+    def slot(self, req_id: str, position: int, layer: int = 0) -> torch.Tensor:
+        """The bytes one layer holds for one position of a running request's block table."""
+        pages = self.pages(self.layer_names[layer])
+        block = self.states[req_id].block_ids[position // BLOCK_SIZE]
+        return pages[block, :, position % BLOCK_SIZE, :].reshape(-1)
+
+    def drain(self) -> None:
+        """Block until this worker's copies in flight are done (a quiet engine step)."""
+        self.connector._worker.drain()
+
