@@ -289,6 +289,61 @@ def test_preempted_request_store_finishes_before_its_blocks_are_rewritten(
         assert worker.starts["a"] == [0, 4 * BS]
 
 
+def test_aborted_requests_store_only_what_was_computed_and_leak_nothing(
+        model_dir: str, variant: h.Variant) -> None:
+    engine = make_engine(model_dir, variant)
+    engine.add("queued", make_prompt(19, 3 * BS), max_tokens=2)
+    engine.abort("queued")  # never scheduled: no blocks, nothing to store (vLLM #49118)
+    prompt = make_prompt(20, 12 * BS)  # two prefill chunks: at most 128 tokens a step
+    engine.add("p", prompt, max_tokens=2)
+    engine.step()
+    computed = engine.scheduler.requests["p"].num_computed_tokens
+    assert computed == 8 * BS  # the first chunk
+    engine.abort("p")  # mid-prefill
+    engine.run()
+    engine.assert_no_leaks()
+    assert stored_tokens(engine, prompt) == computed
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    run_to_completion(engine, {"b": (prompt, 2)})
+    for worker in engine.workers:
+        assert worker.starts["b"] == [computed]  # loaded, every byte compared
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_ends(
+        model_dir: str, variant: h.Variant) -> None:
+    # The copy still writes into the aborted request's blocks: handing them to another request
+    # before it ends would let it overwrite that request's KV.
+    gates = [h.HeldGate() for _ in range(variant.ranks)]
+    engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
+    prompt = make_prompt(21, 4 * BS + 6)
+    run_to_completion(engine, {"a": (prompt, 3)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    load, release = engine.connector._scheduler._next_job_id, threading.Event()
+    for gate in gates:
+        gate.hold[load] = release
+    engine.drain_when_idle = False  # the held copy would block a quiet step's drain
+    engine.add("b", prompt, max_tokens=3)
+    engine.step()
+    assert engine.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    b_blocks = set(engine.scheduler.kv_cache_manager.get_block_ids("b")[0])
+    assert len(b_blocks) == 4  # the blocks being loaded
+    assert all(gate.reached(load) for gate in gates)  # the copy is running, held
+    engine.abort("b")
+    other = make_prompt(22, 5 * BS + 10)
+    engine.add("c", other, max_tokens=2)  # needs 6 of the 9 blocks: only 5 are free
+    for _ in range(6):
+        engine.step()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[block].ref_cnt > 0 for block in b_blocks)
+    assert not any("c" in w.states for w in engine.workers)
+    release.set()
+    engine.drain_when_idle = True
+    run_to_completion(engine, {"c": (other, 2)})  # then c gets the blocks; no leaks
+    assert all(w.starts["c"] == [0] for w in engine.workers)
+
+
 def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: h.Variant) -> None:
     engine = make_engine(model_dir, variant, cpu_slots=12, num_gpu_blocks=16, max_num_seqs=6)
     rng = random.Random(10)

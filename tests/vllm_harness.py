@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm_fake_worker import (  # noqa: E402
     BLOCK_SIZE,
@@ -247,6 +248,10 @@ class Engine:
         self.truths[req_id] = TokenSequence(prompt)
         return request
 
+    def abort(self, req_id: str) -> None:
+        """What EngineCore does when the client goes away."""
+        assert self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.preemptions += len(so.preempted_req_ids or ())
         # A copy per worker, as the executor's process boundary gives: the driver may return
@@ -347,6 +352,15 @@ class HeldGate:
         event = self.hold.get(job_id)
         if event is not None:
             event.wait()
+
+    def reached(self, job_id: int, timeout_s: float = 10.0) -> bool:
+        """Whether the copy thread has brought `job_id` to the gate (within `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while job_id not in self.seen:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 # -- helpers shared by the scenarios (tests/test_vllm*.py) -----------------------------------------
