@@ -49,6 +49,8 @@ from kvconnector.vllm_stats import OffloadStats  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
 BS = h.BLOCK_SIZE
+
+
 # -- loading from the factory ------------------------------------------------------------------
 def test_factory_loads_the_class_from_the_module_path_in_both_roles(model_dir: str) -> None:
     engine = make_engine(model_dir, h.Variant("BLNHC", tp=2))

@@ -9,6 +9,7 @@ lookup deadline: requests are served from the CPU tier or recomputed.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,12 +47,13 @@ def store(tmp_path: Path) -> Iterator[StoreProcess]:
 
 
 def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: int = 1,
-                cpu_slots: int = 64, pp: int = 1, **extra: object) -> h.Engine:
+                cpu_slots: int = 64, pp: int = 1, num_gpu_blocks: int = 64,
+                **extra: object) -> h.Engine:
     config = {"cpu_bytes": cpu_slots * h.block_bytes(tp), "remote_url": url,
               "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                  extra_config=config))
+                                  num_gpu_blocks=num_gpu_blocks, extra_config=config))
 
 
 def store_stats(url: str) -> dict:
@@ -150,6 +152,42 @@ def test_store_killed_between_lookup_and_load_recomputes(
     probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
                       block_hasher=h.get_request_block_hasher(BS, h.sha256))
     assert all(core.index.contains(k) for k in core.namespace.keys(probe.block_hashes))
+
+
+@pytest.mark.parametrize("async_scheduling", SCHEDULERS)
+def test_a_request_aborted_while_its_fetch_hangs_keeps_its_blocks_until_the_fetch_ends(
+        model_dir: str, store: StoreProcess, async_scheduling: bool) -> None:
+    # The fetch, then the copy into the request's GPU blocks, still run after the abort: the
+    # blocks must not go to another request before the load is reported, failed or not.
+    first = make_engine(model_dir, store.url, async_scheduling)
+    prompt = make_prompt(11, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 3)})
+    # No deadline can pass: the lookup must find the blocks, and only the test ends the hang.
+    second = make_engine(model_dir, store.url, async_scheduling, num_gpu_blocks=10,
+                         remote_lookup_deadline_s=30.0, remote_timeout_s=60.0)
+    poison_gpu(second)
+    on_planned_load(second, lambda: store.process.send_signal(signal.SIGSTOP))
+    second.drain_when_idle = False  # a quiet step's drain would wait for the fetch
+    try:
+        second.add("b", prompt, max_tokens=3)
+        second.run(until=lambda: second.scheduler.requests["b"].status
+                   == RequestStatus.WAITING_FOR_REMOTE_KVS, max_steps=MAX_STEPS)
+        b_blocks = set(second.scheduler.kv_cache_manager.get_block_ids("b")[0])
+        assert len(b_blocks) == 4
+        second.abort("b")
+        other = make_prompt(12, 5 * BS + 10)
+        second.add("c", other, max_tokens=2)  # needs 6 of the 9 blocks: only 5 are free
+        for _ in range(20):
+            second.step()
+        pool = second.scheduler.kv_cache_manager.block_pool
+        assert all(pool.blocks[block].ref_cnt > 0 for block in b_blocks)
+        assert not any("c" in w.states for w in second.workers)
+    finally:
+        store.process.send_signal(signal.SIGCONT)
+    second.drain_when_idle = True
+    run_to_completion(second, {"c": (other, 2)})  # then c gets the blocks; no leaks
+    assert second.workers[0].starts["c"] == [0]
+    assert store_stats(store.url)["get_blocks"] == 4  # the fetch was answered after all
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)

@@ -9,9 +9,9 @@ TP 1 and 2, Scheduler: each stage's workers hold and move their own layers; earl
 return only connector output, merged at the last stage's rank as vLLM's executor does); with
 speculative decoding (vLLM's n-gram config, the harness's drafts: 3 a step, some rejected, whose
 KV stays in the cache until a later step rewrites it); and on vLLM 0.33 in a speculator's step
-order (transfer results taken before the stores, a drafter layer written in between). Before
-each forward of a request that starts with computed tokens, the harness compares every byte of
-them with what the fake model writes there; the GPU caches are poisoned before loads.
+order (transfer results taken before the stores, a drafter layer written in between). When a
+request (re)starts with computed tokens, its first forward compares every byte of them with what
+the fake model writes there (tests/vllm_fake_worker.py); the GPU caches are poisoned before loads.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_full_prompt_hit_recomputes_only_the_last_token(model_dir: str) -> None:
 
 
 def test_failed_load_is_recomputed(model_dir: str, variant: h.Variant) -> None:
-    gates = [h.HeldGate() for _ in range(h.Variant(*variant).ranks)]
+    gates = [h.HeldGate() for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates)
     prompt = make_prompt(5, 3 * BS + 3)
     run_to_completion(engine, {"a": (prompt, 2)})
@@ -189,7 +189,7 @@ def test_failed_load_is_recomputed(model_dir: str, variant: h.Variant) -> None:
 
 def test_failed_load_fails_the_request_under_the_fail_policy(model_dir: str,
                                                              variant: h.Variant) -> None:
-    gates = [h.HeldGate() for _ in range(h.Variant(*variant).ranks)]
+    gates = [h.HeldGate() for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates, kv_load_failure_policy="fail")
     prompt = make_prompt(13, 2 * BS + 3)
     run_to_completion(engine, {"a": (prompt, 2)})
@@ -219,7 +219,7 @@ def test_reset_connector_cache_empties_the_tier(model_dir: str) -> None:
 def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
         model_dir: str, variant: h.Variant) -> None:
     # a's store held
-    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(h.Variant(*variant).ranks)]
+    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
     prompt, other = make_prompt(6, 4 * BS + 6), make_prompt(7, 5 * BS + 10)
     engine.drain_when_idle = False
@@ -254,7 +254,7 @@ def test_preempted_request_store_finishes_before_its_blocks_are_rewritten(
     # e and a fill the pool; when e needs one more block, vLLM preempts a (the newest) and hands
     # its blocks to e while a's store (job 1) is held in flight on the copy thread. The flush
     # before that step's forward releases it and must wait for it.
-    gates = [h.HeldGate(hold={1: threading.Event()}) for _ in range(h.Variant(*variant).ranks)]
+    gates = [h.HeldGate(hold={1: threading.Event()}) for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
     flushes: list[tuple[int, bool]] = []  # (rank, store 1 still in flight) per flush of it
     for worker in engine.workers:
@@ -294,6 +294,7 @@ def test_aborted_requests_store_only_what_was_computed_and_leak_nothing(
     engine = make_engine(model_dir, variant)
     engine.add("queued", make_prompt(19, 3 * BS), max_tokens=2)
     engine.abort("queued")  # never scheduled: no blocks, nothing to store (vLLM #49118)
+    assert stored_tokens(engine, make_prompt(19, 3 * BS)) == 0
     prompt = make_prompt(20, 12 * BS)  # two prefill chunks: at most 128 tokens a step
     engine.add("p", prompt, max_tokens=2)
     engine.step()
@@ -313,7 +314,9 @@ def test_aborted_requests_store_only_what_was_computed_and_leak_nothing(
 def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_ends(
         model_dir: str, variant: h.Variant) -> None:
     # The copy still writes into the aborted request's blocks: handing them to another request
-    # before it ends would let it overwrite that request's KV.
+    # before it ends would let it overwrite that request's KV. vLLM holds them until the
+    # connector reports the load; the connector must report it when the copy ends, not before
+    # (and not never: that leaks the blocks and stalls c).
     gates = [h.HeldGate() for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
     prompt = make_prompt(21, 4 * BS + 6)

@@ -4,8 +4,9 @@ allocation and worker-side connector driver, and a fake, deterministic model for
 The KV the fake model writes at position p (every layer, every rank) and the token it samples
 after p are functions of the tokens up to p (a chained hash), so a block holds the same bytes
 whoever computes it, and the worker can say, for every position a request reads, which bytes must
-be there. `Worker.execute` checks them in each forward of a request that starts with computed
-tokens (a local prefix hit or a load).
+be there. When a request (re)starts with computed tokens (a local prefix hit or a load),
+`Worker.execute` compares every byte of them in that first forward, after the step's own KV is
+written (attention reads then).
 
 Speculative decoding: positions scheduled with draft tokens get the KV of the drafts (a rejected
 draft leaves KV that looks valid but belongs to a token vLLM did not keep, until a later step
@@ -85,7 +86,6 @@ def kv_rows(prefix_hashes: torch.Tensor, layer: int, rank: int, row_bytes: int) 
     h = prefix_hashes.unsqueeze(1)
     index = torch.arange(row_bytes, dtype=torch.int64).unsqueeze(0)
     return ((index * (h % 127 + 1) + h % 251 + layer * 31 + rank * 17) % 256).to(torch.uint8)
-
 
 
 def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:

@@ -39,6 +39,7 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.utils import get_pp_indices  # noqa: E402
+from vllm.utils.gc_utils import freeze_gc_heap  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
@@ -104,8 +105,9 @@ class EngineSetup:
     # drafter's forward, `wait_for_save` after it (`post_forward(defer_finalize=True)`, then
     # `finalize_step()`). The last layer stands for the drafter's, written in between.
     speculator: bool = False
-    # Speculative decoding (Scheduler only): after each step every decoding request gets this
-    # many drafts, of which the first `draft_acceptance[i % len]` are right at its i-th draft.
+    # Speculative decoding (Scheduler only): after each step every request of the step is
+    # proposed this many drafts; at the request's i-th proposal the first
+    # `draft_acceptance[i % len]` are right (vLLM drops proposals for prefill chunks).
     num_speculative_tokens: int = 0
     draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
     connector: str = "CrossLayerOffloadConnector"
@@ -221,6 +223,9 @@ class Engine:
         self.spec_counts = [0, 0]  # drafts scheduled, drafts accepted (from vLLM's stats)
         self.drain_when_idle = True  # off while a test holds a copy in flight
         Engine.live.append(self)
+        # As EngineCore does once it is built: with vLLM's import heap frozen a full collection
+        # takes milliseconds, not the ~0.4 s that would stall a step past a lookup's deadline.
+        freeze_gc_heap()
 
     @classmethod
     def shutdown_all(cls) -> None:
@@ -378,11 +383,10 @@ def block_bytes(tp: int) -> int:
     return NUM_LAYERS * page_bytes(tp)
 
 
-def make_engine(model_dir: str, variant: tuple, gates: list[HeldGate] | None = None,
+def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None = None,
                 cpu_slots: int = 256, **setup: Any) -> Engine:
-    """An engine of `variant` (a Variant or its fields) whose pool holds `cpu_slots` blocks;
-    checks that the connector moves blocks the way the layout calls for."""
-    variant = Variant(*variant)
+    """An engine of `variant` whose pool holds `cpu_slots` blocks; checks that the connector
+    moves blocks the way the layout calls for."""
     layer_bytes = page_bytes(variant.tp)
     largest_stage = max(map(len, stage_layers(variant.pp)))
     engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
