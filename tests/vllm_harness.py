@@ -422,6 +422,21 @@ def total_stats(engine: Engine) -> OffloadStats:
     return total
 
 
+def abort_while_loading(engine: Engine, req_id: str, other: tuple[str, list[int]],
+                        steps: int) -> None:
+    """Abort `req_id`, whose load is in flight, add `other` (id, prompt), which fits only in
+    the aborted request's blocks, and step: the load may still write those blocks, so they stay
+    held and `other` waits."""
+    blocks = set(engine.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+    engine.abort(req_id)
+    engine.add(other[0], other[1], max_tokens=2)
+    for _ in range(steps):
+        engine.step()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[block].ref_cnt > 0 for block in blocks)
+    assert not any(other[0] in w.states for w in engine.workers)
+
+
 def on_planned_load(engine: Engine, action: Callable[[], None]) -> None:
     """Run `action` each time the engine's scheduler plans a load from a lookup hit: what it
     does to the remote tier lands between the lookup and the get."""
