@@ -8,10 +8,12 @@ KVOutputAggregator), each under Scheduler and AsyncScheduler; with two pipeline 
 TP 1 and 2, Scheduler: each stage's workers hold and move their own layers; earlier stages
 return only connector output, merged at the last stage's rank as vLLM's executor does); with
 speculative decoding (vLLM's n-gram config, the harness's drafts: 3 a step, some rejected, whose
-KV stays in the cache until a later step rewrites it); and on vLLM 0.33 in a speculator's step
-order (transfer results taken before the stores, a drafter layer written in between). When a
-request (re)starts with computed tokens, its first forward compares every byte of them with what
-the fake model writes there (tests/vllm_fake_worker.py); the GPU caches are poisoned before loads.
+KV stays in the cache until a later step rewrites it); with MLA caches (vLLM's MLA specs, one
+latent head replicated on every TP rank, read by TRITON_MLA); and on vLLM 0.33 in a
+speculator's step order (transfer results taken before the stores, a drafter layer written in
+between). When a request (re)starts with computed tokens, its first forward compares every byte
+of them with what the fake model writes there (tests/vllm_fake_worker.py); the GPU caches are
+poisoned before loads.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ VARIANTS = [
                  marks=NEEDS_DEFERRED_FINALIZE),
     pytest.param(V("BLNHC", tp=2, async_scheduling=True, speculator=True),
                  id="speculator-tp2-AsyncScheduler", marks=NEEDS_DEFERRED_FINALIZE),
+    # MLA (TRITON_MLA reading vLLM's MLA cache): one latent head, replicated on every TP rank
+    pytest.param(V("BLNHC", mla=True), id="mla-Scheduler"),
+    pytest.param(V("LBNHC", tp=2, async_scheduling=True, mla=True),
+                 id="mla-per-layer-tp2-AsyncScheduler"),
 ]
 
 

@@ -51,7 +51,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -74,6 +74,7 @@ try:  # vLLM 0.32
 except ImportError:  # vLLM 0.33 moved the planner
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 
+MLA_HEAD_SIZE = 48  # latent + rope, DeepSeek's 512 + 64 scaled down
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # vLLM's default order
 
 
@@ -110,6 +111,9 @@ class EngineSetup:
     # `draft_acceptance[i % len]` are right (vLLM drops proposals for prefill chunks).
     num_speculative_tokens: int = 0
     draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
+    # MLA: vLLM's MLA cache specs (one latent head, the same on every TP rank) read by its
+    # TRITON_MLA backend; the model config stays Llama-shaped (the forward is faked anyway).
+    mla: bool = False
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -140,12 +144,18 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
             kv_load_failure_policy=setup.kv_load_failure_policy),
         # The model forward is faked; the backend stands for the CUDA one a deployment would run
         # (left unset on a CPU platform, the connector keeps vLLM's default layout).
-        attention_config=AttentionConfig(backend=AttentionBackendEnum.TRITON_ATTN),
+        attention_config=AttentionConfig(backend=AttentionBackendEnum.TRITON_MLA if setup.mla
+                                         else AttentionBackendEnum.TRITON_ATTN),
         speculative_config=speculative,
         device_config=DeviceConfig("cpu"))
 
 
-def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS)) -> dict[str, FullAttentionSpec]:
+def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS),
+                mla: bool = False) -> dict[str, FullAttentionSpec]:
+    if mla:
+        return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
+            for i in layers}
     return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
         dtype=DTYPE) for i in layers}
@@ -165,6 +175,7 @@ class Variant(NamedTuple):
     async_scheduling: bool = False
     speculator: bool = False  # EngineSetup.speculator: vLLM 0.33's step order
     drafts: int = 0  # EngineSetup.num_speculative_tokens
+    mla: bool = False  # EngineSetup.mla
 
     @property
     def ranks(self) -> int:
@@ -188,7 +199,7 @@ class Engine:
         tp, pp = setup.tensor_parallel_size, setup.pipeline_parallel_size
         world = tp * pp
         # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
-        stages = [layer_specs(tp, layers) for layers in stage_layers(pp)]
+        stages = [layer_specs(tp, layers, setup.mla) for layers in stage_layers(pp)]
         self.layout = resolve_kv_cache_layout(
             self.vllm_config, [ALL_LAYOUTS] * world,
             [spec for specs in stages for spec in specs.values()]).name
@@ -373,8 +384,10 @@ POISON = 0x5A
 REMOTE_MAX_STEPS = 200_000
 
 
-def page_bytes(tp: int) -> int:
+def page_bytes(tp: int, mla: bool = False) -> int:
     """One layer's bytes of one block on one rank."""
+    if mla:  # one latent vector a token, no separate V
+        return BLOCK_SIZE * MLA_HEAD_SIZE * 2
     return (NUM_KV_HEADS // tp) * BLOCK_SIZE * 2 * HEAD_SIZE * 2
 
 
@@ -387,12 +400,12 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
                 cpu_slots: int = 256, **setup: Any) -> Engine:
     """An engine of `variant` whose pool holds `cpu_slots` blocks; checks that the connector
     moves blocks the way the layout calls for."""
-    layer_bytes = page_bytes(variant.tp)
+    layer_bytes = page_bytes(variant.tp, variant.mla)
     largest_stage = max(map(len, stage_layers(variant.pp)))
     engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
                                 tensor_parallel_size=variant.tp, pipeline_parallel_size=variant.pp,
                                 speculator=variant.speculator,
-                                num_speculative_tokens=variant.drafts,
+                                num_speculative_tokens=variant.drafts, mla=variant.mla,
                                 extra_config={"cpu_bytes": cpu_slots * largest_stage * layer_bytes},
                                 **setup), gates=gates)
     assert engine.layout == variant.layout
