@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconnector.layout import KVForm, KVLayout
-from kvconnector.offload_scheduler import JobReport, StepJobs, TransferJob
+from kvconnector.offload_jobs import JobReport, StepJobs, TransferJob
 from kvconnector.recognize import recognize
 from kvconnector.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy_backends import CopyBackend

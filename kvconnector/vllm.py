@@ -43,7 +43,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout import HOST_ALIGNMENT, round_up
-from kvconnector.offload_scheduler import JobReport, OffloadScheduler, StepJobs
+from kvconnector.offload_jobs import JobReport, StepJobs
+from kvconnector.offload_scheduler import OffloadScheduler
 from kvconnector.offload_worker import OffloadWorker
 from kvconnector.options import ConnectorOptions
 from kvconnector.registry import decide

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 import transfer.block_index as block_index_module
-from transfer.block_index import ARCPolicy, BlockIndex, IndexStats, StorePlan
+import transfer.eviction as eviction_module
+from transfer.block_index import BlockIndex, IndexStats, StorePlan
+from transfer.eviction import ARCPolicy
 from transfer.keys import Namespace
 
 NS = Namespace(model="m", dtype="bfloat16", block_size=16, block_layout="BLHNC")
@@ -365,8 +367,9 @@ def test_stats_count_lookups_stores_evictions() -> None:
     assert index.stats == IndexStats(hits=2, misses=2, stores=3, evictions=1, failed_stores=1)
 
 
-def test_module_imports_no_torch() -> None:
-    tree = ast.parse(Path(block_index_module.__file__).read_text())
+@pytest.mark.parametrize("module", [block_index_module, eviction_module])
+def test_module_imports_no_torch(module: object) -> None:
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module.split(".")[0] for node in ast.walk(tree)

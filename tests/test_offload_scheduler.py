@@ -6,7 +6,8 @@ import pickle
 
 import pytest
 
-from kvconnector.offload_scheduler import JobReport, OffloadScheduler, StepJobs
+from kvconnector.offload_jobs import JobReport, StepJobs
+from kvconnector.offload_scheduler import OffloadScheduler
 from transfer.keys import Namespace
 
 BS = 4

@@ -14,7 +14,8 @@ import torch
 
 from kvconnector.allocator import allocate
 from kvconnector.layout import KVLayout
-from kvconnector.offload_scheduler import OffloadScheduler, StepJobs
+from kvconnector.offload_jobs import StepJobs
+from kvconnector.offload_scheduler import OffloadScheduler
 from kvconnector.offload_worker import BLOCK_MAJOR, PER_LAYER, OffloadWorker, TransferEvents
 from transfer.copy_backends import ThreadBackend
 from transfer.keys import Namespace

@@ -12,7 +12,8 @@ import torch
 
 from kvconnector.allocator import allocate
 from kvconnector.layout import KVLayout
-from kvconnector.offload_scheduler import JobReport, OffloadScheduler
+from kvconnector.offload_jobs import JobReport
+from kvconnector.offload_scheduler import OffloadScheduler
 from kvconnector.offload_worker import OffloadWorker
 from kvconnector.remote_tier import RemoteFetcher, RemoteLookups, RemoteSettings
 from transfer.copy_backends import ThreadBackend
