@@ -78,7 +78,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny Llama config the vLLM harness's engines load (tests/vllm_harness.py)."""
-    from vllm_harness import write_model_dir
+    from vllm_engine_config import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -1,0 +1,143 @@
+"""What engine the vLLM harness (tests/vllm_harness.py) builds: the tiny model directory,
+`EngineSetup` and the VllmConfig made from it, the layers' KV cache specs and pipeline stages, and
+`Variant`, the engine shapes the scenarios run in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm.config import (  # noqa: E402
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.utils import get_pp_indices  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
+from vllm_fake_worker import (  # noqa: E402
+    BLOCK_SIZE,
+    DTYPE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+)
+
+MLA_HEAD_SIZE = 48  # latent + rope, DeepSeek's 512 + 64 scaled down
+ALL_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # vLLM's default order
+
+
+def write_model_dir(path: Path) -> str:
+    """A Llama-shaped config.json: all ModelConfig needs (no weights, no tokenizer)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_SIZE, "num_hidden_layers": NUM_LAYERS, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2}))
+    return str(path)
+
+
+# -- configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSetup:
+    model_dir: str
+    extra_config: dict[str, Any]
+    async_scheduling: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages split the layers as vLLM's get_pp_indices does
+    num_gpu_blocks: int = 64
+    max_num_batched_tokens: int = 128
+    max_num_seqs: int = 8
+    kv_load_failure_policy: str = "recompute"
+    # vLLM 0.33's V2 model runner with a speculator: transfer results are taken before the
+    # drafter's forward, `wait_for_save` after it (`post_forward(defer_finalize=True)`, then
+    # `finalize_step()`). The last layer stands for the drafter's, written in between.
+    speculator: bool = False
+    # Speculative decoding (Scheduler only): after each step every request of the step is
+    # proposed this many drafts; at the request's i-th proposal the first
+    # `draft_acceptance[i % len]` are right (vLLM drops proposals for prefill chunks).
+    num_speculative_tokens: int = 0
+    draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
+    # MLA: vLLM's MLA cache specs (one latent head, the same on every TP rank) read by its
+    # TRITON_MLA backend; the model config stays Llama-shaped (the forward is faked anyway).
+    mla: bool = False
+    connector: str = "CrossLayerOffloadConnector"
+    module_path: str = "kvconnector.vllm"
+
+
+def make_vllm_config(setup: EngineSetup) -> VllmConfig:
+    model = ModelConfig(model=setup.model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+                        seed=0, max_model_len=1024)
+    speculative = None
+    if setup.num_speculative_tokens:
+        if setup.async_scheduling:  # the model runner would have to roll back positions itself
+            raise ValueError("the harness drafts under the Scheduler only")
+        speculative = SpeculativeConfig(method="ngram",
+                                        num_speculative_tokens=setup.num_speculative_tokens,
+                                        prompt_lookup_min=1, prompt_lookup_max=3)
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=1024, is_encoder_decoder=False,
+            async_scheduling=setup.async_scheduling),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True,
+                                 num_gpu_blocks_override=setup.num_gpu_blocks),
+        parallel_config=ParallelConfig(tensor_parallel_size=setup.tensor_parallel_size,
+                                       pipeline_parallel_size=setup.pipeline_parallel_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=setup.connector, kv_connector_module_path=setup.module_path,
+            kv_role="kv_both", kv_connector_extra_config=dict(setup.extra_config),
+            kv_load_failure_policy=setup.kv_load_failure_policy),
+        # The model forward is faked; the backend stands for the CUDA one a deployment would run
+        # (left unset on a CPU platform, the connector keeps vLLM's default layout).
+        attention_config=AttentionConfig(backend=AttentionBackendEnum.TRITON_MLA if setup.mla
+                                         else AttentionBackendEnum.TRITON_ATTN),
+        speculative_config=speculative,
+        device_config=DeviceConfig("cpu"))
+
+
+def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS),
+                mla: bool = False) -> dict[str, FullAttentionSpec]:
+    if mla:
+        return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
+            for i in layers}
+    return {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
+        dtype=DTYPE) for i in layers}
+
+
+def stage_layers(pp_size: int) -> list[range]:
+    """Each pipeline stage's layers, as vLLM splits them."""
+    return [range(*get_pp_indices(NUM_LAYERS, stage, pp_size)) for stage in range(pp_size)]
+
+
+class Variant(NamedTuple):
+    """An engine shape a scenario runs in (see make_engine)."""
+
+    layout: str  # BLNHC: the connector's own (block-major); else set as VLLM_KV_CACHE_LAYOUT
+    tp: int = 1
+    pp: int = 1
+    async_scheduling: bool = False
+    speculator: bool = False  # EngineSetup.speculator: vLLM 0.33's step order
+    drafts: int = 0  # EngineSetup.num_speculative_tokens
+    mla: bool = False  # EngineSetup.mla
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
