@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvconnector.bench.presets import PRESETS, build_cases
 from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets
@@ -27,7 +28,9 @@ def exit_code(argv: list[str]) -> int:
 
 
 def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path on any machine
     js, png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert main([*TINY, "--kv-dtype", "bf16,fp8", "--json", str(js), "--plot", str(png)]) == 0
     out = capsys.readouterr().out
