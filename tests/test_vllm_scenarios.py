@@ -116,14 +116,15 @@ def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
 
 def test_decoded_blocks_are_stored_and_a_follow_up_turn_loads_them_bit_exact(
         model_dir: str, variant: h.Variant) -> None:
-    # A chat's next turn starts with the previous turn's prompt and answer. Blocks filled while
-    # decoding are stored too, each once its hash exists: under async scheduling and with drafts
-    # the scheduled tokens run ahead of the tokens with hashes (vLLM #36052 lost such blocks).
+    # A chat's next turn starts with the previous turn's prompt and answer. Every full block is
+    # stored: those of each prefill chunk, and those filled while decoding, each once its hash
+    # exists (under async scheduling and with drafts the scheduled tokens run ahead of the
+    # tokens with hashes: vLLM #36052 lost such blocks).
     engine = make_engine(model_dir, variant)
-    prompt = make_prompt(15, 2 * BS + 5)
+    prompt = make_prompt(15, 9 * BS + 5)  # two prefill chunks (at most 128 tokens a step)
     run_to_completion(engine, {"a": (prompt, 4 * BS + 3)})
-    turn = prompt + engine.finished["a"]  # 6 full blocks and 8 tokens
-    assert stored_tokens(engine, turn) == 6 * BS
+    turn = prompt + engine.finished["a"]  # 13 full blocks and 8 tokens
+    assert stored_tokens(engine, turn) == 13 * BS
     if variant.drafts:  # drafts were scheduled, and some of their KV was that of rejected ones
         drafted, accepted = engine.spec_counts
         assert 0 < accepted < drafted
@@ -132,8 +133,8 @@ def test_decoded_blocks_are_stored_and_a_follow_up_turn_loads_them_bit_exact(
     checked = [w.prefix_checks for w in engine.workers]
     run_to_completion(engine, {"b": (turn + make_prompt(16, 5), 3)})
     for worker, before in zip(engine.workers, checked, strict=True):
-        assert worker.starts["b"] == [6 * BS]
-        assert worker.prefix_checks - before == 6 * BS  # every loaded byte compared
+        assert worker.starts["b"] == [13 * BS]
+        assert worker.prefix_checks - before == 13 * BS  # every loaded byte compared
 
 
 def test_a_request_ending_on_a_block_boundary_never_stores_its_last_block(
