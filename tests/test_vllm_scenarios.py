@@ -163,6 +163,27 @@ def test_a_request_ending_on_a_block_boundary_never_stores_its_last_block(
         assert worker.starts["b"] == [3 * BS]
 
 
+def test_requests_arriving_together_load_a_shared_prefix_at_once(
+        model_dir: str, variant: h.Variant) -> None:
+    # Neither waits for the other's load (vLLM #44294 serialised such requests behind one load):
+    # both are waiting for their own loads after the first step, reading the same slots.
+    engine = make_engine(model_dir, variant)
+    prefix = make_prompt(23, 5 * BS)
+    run_to_completion(engine, {"a": (prefix + [7], 2)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    requests = {"b": (prefix + make_prompt(24, 9), 2), "c": (prefix + make_prompt(25, 3), 2)}
+    for req_id, (prompt, max_tokens) in requests.items():
+        engine.add(req_id, prompt, max_tokens)
+    engine.step()
+    assert all(engine.scheduler.requests[r].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+               for r in requests)
+    run_to_completion(engine, requests)
+    for worker in engine.workers:
+        assert worker.starts["b"] == worker.starts["c"] == [5 * BS]  # both loaded, compared
+    assert total_stats(engine).data["hit_tokens"] == 2 * 5 * BS
+
+
 def test_full_prompt_hit_recomputes_only_the_last_token(model_dir: str) -> None:
     engine = make_engine(model_dir, V("BLNHC"))
     prompt = make_prompt(4, 3 * BS)
