@@ -77,7 +77,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama config the vLLM harness's engines load (tests/vllm_harness.py)."""
+    """The tiny Llama config the vLLM harness's engines load (tests/vllm_engine_config.py)."""
     from vllm_engine_config import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))

@@ -9,7 +9,7 @@ TP 1 and 2, Scheduler: each stage's workers hold and move their own layers; earl
 return only connector output, merged at the last stage's rank as vLLM's executor does); with
 speculative decoding (vLLM's n-gram config, the harness's drafts: 3 a step, some rejected, whose
 KV stays in the cache until a later step rewrites it); with MLA caches (vLLM's MLA specs, one
-latent head replicated on every TP rank, read by TRITON_MLA); and on vLLM 0.33 in a
+latent head a rank, TRITON_MLA the configured backend); and on vLLM 0.33 in a
 speculator's step order (transfer results taken before the stores, a drafter layer written in
 between). When a request (re)starts with computed tokens, its first forward compares every byte
 of them with what the fake model writes there (tests/vllm_fake_worker.py); the GPU caches are
@@ -61,7 +61,7 @@ VARIANTS = [
                  marks=NEEDS_DEFERRED_FINALIZE),
     pytest.param(V("BLNHC", tp=2, async_scheduling=True, speculator=True),
                  id="speculator-tp2-AsyncScheduler", marks=NEEDS_DEFERRED_FINALIZE),
-    # MLA (TRITON_MLA reading vLLM's MLA cache): one latent head, replicated on every TP rank
+    # MLA: vLLM's MLA cache specs, one latent head a rank, TRITON_MLA configured
     pytest.param(V("BLNHC", mla=True), id="mla-Scheduler"),
     pytest.param(V("LBNHC", tp=2, async_scheduling=True, mla=True),
                  id="mla-per-layer-tp2-AsyncScheduler"),
@@ -120,8 +120,8 @@ def test_decoded_blocks_are_stored_and_a_follow_up_turn_loads_them_bit_exact(
     # stored: those of each prefill chunk, and those filled while decoding, each once its hash
     # exists (under async scheduling and with drafts the scheduled tokens run ahead of the
     # tokens with hashes: vLLM #36052 lost such blocks).
-    engine = make_engine(model_dir, variant)
-    prompt = make_prompt(15, 9 * BS + 5)  # two prefill chunks (at most 128 tokens a step)
+    engine = make_engine(model_dir, variant, max_num_batched_tokens=120)
+    prompt = make_prompt(15, 9 * BS + 5)  # two prefill chunks: block 7 is split between them
     run_to_completion(engine, {"a": (prompt, 4 * BS + 3)})
     turn = prompt + engine.finished["a"]  # 13 full blocks and 8 tokens
     assert stored_tokens(engine, turn) == 13 * BS
@@ -166,7 +166,7 @@ def test_a_request_ending_on_a_block_boundary_never_stores_its_last_block(
 def test_requests_arriving_together_load_a_shared_prefix_at_once(
         model_dir: str, variant: h.Variant) -> None:
     # Neither waits for the other's load (vLLM #44294 serialised such requests behind one load):
-    # both are waiting for their own loads after the first step, reading the same slots.
+    # both are waiting for their own loads of the same blocks after the first step.
     engine = make_engine(model_dir, variant)
     prefix = make_prompt(23, 5 * BS)
     run_to_completion(engine, {"a": (prefix + [7], 2)})

@@ -72,8 +72,9 @@ class EngineSetup:
     # `draft_acceptance[i % len]` are right (vLLM drops proposals for prefill chunks).
     num_speculative_tokens: int = 0
     draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
-    # MLA: vLLM's MLA cache specs (one latent head, the same on every TP rank) read by its
-    # TRITON_MLA backend; the model config stays Llama-shaped (the forward is faked anyway).
+    # MLA: vLLM's MLAAttentionSpec for every layer (one latent head a rank, no separate V) and
+    # TRITON_MLA as the configured backend (the layout request's input; no MLA kernel runs).
+    # The model config stays Llama-shaped, so vLLM's own MLA spec fields are left at defaults.
     mla: bool = False
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"

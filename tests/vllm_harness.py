@@ -57,6 +57,7 @@ from vllm_fake_worker import (  # noqa: E402
     Worker,
 )
 
+from kvconnector.layout import HOST_ALIGNMENT, round_up  # noqa: E402
 from kvconnector.offload_worker import BLOCK_MAJOR, PER_LAYER  # noqa: E402
 from kvconnector.vllm import CrossLayerOffloadConnector  # noqa: E402
 from kvconnector.vllm_stats import OffloadStats  # noqa: E402
@@ -276,9 +277,9 @@ def page_bytes(tp: int, mla: bool = False) -> int:
     return (NUM_KV_HEADS // tp) * BLOCK_SIZE * 2 * HEAD_SIZE * 2
 
 
-def block_bytes(tp: int) -> int:
+def block_bytes(tp: int, mla: bool = False) -> int:
     """A whole block's bytes on one rank (every layer, one pipeline stage)."""
-    return NUM_LAYERS * page_bytes(tp)
+    return NUM_LAYERS * page_bytes(tp, mla)
 
 
 def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None = None,
@@ -287,13 +288,15 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
     moves blocks the way the layout calls for."""
     layer_bytes = page_bytes(variant.tp, variant.mla)
     largest_stage = max(map(len, stage_layers(variant.pp)))
+    slot_bytes = round_up(largest_stage * layer_bytes, HOST_ALIGNMENT)  # as the connector sizes
     engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
                                 tensor_parallel_size=variant.tp, pipeline_parallel_size=variant.pp,
                                 speculator=variant.speculator,
                                 num_speculative_tokens=variant.drafts, mla=variant.mla,
-                                extra_config={"cpu_bytes": cpu_slots * largest_stage * layer_bytes},
+                                extra_config={"cpu_bytes": cpu_slots * slot_bytes},
                                 **setup), gates=gates)
     assert engine.layout == variant.layout
+    assert engine.connector._num_slots == cpu_slots
     mode = BLOCK_MAJOR if variant.layout == "BLNHC" else PER_LAYER
     for worker in engine.workers:
         assert worker.connector._worker.mode == mode
