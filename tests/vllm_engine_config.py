@@ -67,9 +67,10 @@ class EngineSetup:
     # drafter's forward, `wait_for_save` after it (`post_forward(defer_finalize=True)`, then
     # `finalize_step()`). The last layer stands for the drafter's, written in between.
     speculator: bool = False
-    # Speculative decoding (Scheduler only): after each step every request of the step is
-    # proposed this many drafts; at the request's i-th proposal the first
-    # `draft_acceptance[i % len]` are right (vLLM drops proposals for prefill chunks).
+    # Speculative decoding: after each step every request of the step is proposed this many
+    # drafts; at the request's i-th proposal the first `draft_acceptance[i % len]` are right.
+    # Scheduler: the engine proposes them (vLLM drops those for prefill chunks); AsyncScheduler:
+    # each worker does, and puts them where the scheduler left placeholders.
     num_speculative_tokens: int = 0
     draft_acceptance: tuple[int, ...] = (2, 0, 3, 1)
     # MLA: vLLM's MLAAttentionSpec for every layer (one latent head a rank, no separate V) and
@@ -85,9 +86,9 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
                         seed=0, max_model_len=1024)
     speculative = None
     if setup.num_speculative_tokens:
-        if setup.async_scheduling:  # the model runner would have to roll back positions itself
-            raise ValueError("the harness drafts under the Scheduler only")
-        speculative = SpeculativeConfig(method="ngram",
+        # vLLM takes async scheduling with GPU-side drafters only: there the model runner
+        # proposes (the harness's worker does) and the scheduler holds placeholders.
+        speculative = SpeculativeConfig(method="ngram_gpu" if setup.async_scheduling else "ngram",
                                         num_speculative_tokens=setup.num_speculative_tokens,
                                         prompt_lookup_min=1, prompt_lookup_max=3)
     return VllmConfig(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.config import VllmConfig
@@ -101,6 +101,9 @@ def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
 class _RequestState:
     sequence: TokenSequence
     block_ids: list[int]
+    computed: int = 0  # tokens whose KV this worker wrote from accepted tokens
+    proposals: list[int] = field(default_factory=list)  # its drafts for the next step
+    proposed: int = 0  # proposals made so far
 
 
 class Worker:
@@ -108,9 +111,13 @@ class Worker:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
                  requests: dict[str, Request], gate: Gate | None = None,
-                 speculator: bool = False, last_stage: bool = True) -> None:
+                 speculator: bool = False, last_stage: bool = True,
+                 drafts: tuple[int, tuple[int, ...]] | None = None) -> None:
+        """`drafts`: (count, acceptance) when this worker proposes the drafts (async scheduling,
+        see EngineSetup.num_speculative_tokens)."""
         self.rank = rank
         self.speculator = speculator
+        self.drafts = drafts
         self.last_stage = last_stage  # earlier stages sample nothing: connector output only
         self.vllm_config = rank_config(vllm_config, rank)
         self.connector = KVConnectorFactory.create_connector(self.vllm_config,
@@ -143,9 +150,13 @@ class Worker:
         self.driver.pre_forward(so)
         drafter = self.layer_names[-1:] if self.speculator else []
         target = self.layer_names[:len(self.layer_names) - len(drafter)]
-        drafts = so.scheduled_spec_decode_tokens
+        drafts = {req_id: self._drafts(req_id, placeholders)
+                  for req_id, placeholders in so.scheduled_spec_decode_tokens.items()}
         sampled = {req_id: self._forward(req_id, n, target, drafts.get(req_id, []))
                    for req_id, n in so.num_scheduled_tokens.items()}
+        for req_id, tokens in sampled.items():
+            self._after_sampling(req_id, so.num_scheduled_tokens[req_id],
+                                 len(drafts.get(req_id, [])), tokens)
         # Attention reads after every request's KV of this step is written (a model writes the
         # KV of a layer before attending): a prefix hit on blocks another request of the same
         # step computes is legitimate.
@@ -191,10 +202,38 @@ class Worker:
             self.block_history.setdefault(req_id, set()).update(self.states[req_id].block_ids)
         self._starts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         self._starts.update((d.req_id, d.num_computed_tokens) for d in so.scheduled_new_reqs)
+        if self.drafts is not None:
+            # The async scheduler counted last step's drafts as accepted; the model runner
+            # starts from what was (vLLM corrects it on the GPU from the accepted counts).
+            for req_id in cached.req_ids:
+                if req_id not in cached.resumed_req_ids:
+                    self._starts[req_id] = self.states[req_id].computed
         return fresh
 
     def _start(self, req_id: str) -> int:
         return self._starts[req_id]
+
+    def _drafts(self, req_id: str, scheduled: list[int]) -> list[int]:
+        """The draft tokens of a step: the scheduler's, or under async scheduling this worker's
+        own proposals where the scheduler left placeholders."""
+        if self.drafts is None:
+            return scheduled
+        return self.states[req_id].proposals[:len(scheduled)]
+
+    def _after_sampling(self, req_id: str, num_tokens: int, num_drafts: int,
+                        sampled: list[int]) -> None:
+        """Count the tokens whose KV is now right and, when this worker drafts, propose."""
+        state = self.states[req_id]
+        last_real = self._start(req_id) + num_tokens - num_drafts
+        if not sampled:  # a prefill chunk
+            state.computed = last_real
+            return
+        state.computed = last_real + len(sampled) - 1  # the accepted drafts; not the new token
+        if self.drafts is not None:
+            count, acceptance = self.drafts
+            accepted = acceptance[state.proposed % len(acceptance)]
+            state.proposed += 1
+            state.proposals = state.sequence.drafts(last_real + len(sampled), count, accepted)
 
     def _forward(self, req_id: str, num_tokens: int, layers: list[str],
                  drafts: list[int]) -> list[int]:

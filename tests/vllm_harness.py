@@ -102,9 +102,11 @@ class Engine:
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=BLOCK_SIZE, log_stats=True)
+        worker_drafts = ((setup.num_speculative_tokens, setup.draft_acceptance)
+                         if setup.async_scheduling and setup.num_speculative_tokens else None)
         self.workers = [Worker(self.vllm_config, configs[rank], rank, self.scheduler.requests,
                                gates[rank] if gates else None, setup.speculator,
-                               last_stage=rank // tp == pp - 1)
+                               last_stage=rank // tp == pp - 1, drafts=worker_drafts)
                         for rank in range(world)]
         self.output_rank = (pp - 1) * tp  # the executor's: the last stage's first worker
         self.aggregator = KVOutputAggregator(world)
