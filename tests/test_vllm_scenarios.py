@@ -156,7 +156,8 @@ def test_a_request_ending_on_a_block_boundary_never_stores_its_last_block(
     engine.add("a", prompt, max_tokens=BS - 6)
     engine.run(until=lambda: "a" in engine.finished)
     if variant.drafts:
-        worker, truth, last = engine.workers[0], engine.truths["a"], 4 * BS - 1
+        worker, last = engine.workers[0], 4 * BS - 1
+        truth = worker.states["a"].sequence  # the true continuation
         rejected = chain(truth.hash_at(last - 1), truth.drafts(last, 1, accepted=0)[0])
         held = worker.slot("a", last)
         assert torch.equal(held, kv_rows(torch.tensor([rejected]), 0, 0, held.numel())[0])

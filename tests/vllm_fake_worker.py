@@ -112,12 +112,12 @@ class Worker:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int,
                  requests: dict[str, Request], gate: Gate | None = None,
                  speculator: bool = False, last_stage: bool = True,
-                 drafts: tuple[int, tuple[int, ...]] | None = None) -> None:
-        """`drafts`: (count, acceptance) when this worker proposes the drafts (async scheduling,
-        see EngineSetup.num_speculative_tokens)."""
+                 drafting: tuple[int, tuple[int, ...]] | None = None) -> None:
+        """`drafting`: (count, acceptance) when speculative decoding is on: this worker proposes
+        the drafts (see EngineSetup.num_speculative_tokens)."""
         self.rank = rank
         self.speculator = speculator
-        self.drafts = drafts
+        self.drafting = drafting
         self.last_stage = last_stage  # earlier stages sample nothing: connector output only
         self.vllm_config = rank_config(vllm_config, rank)
         self.connector = KVConnectorFactory.create_connector(self.vllm_config,
@@ -202,7 +202,7 @@ class Worker:
             self.block_history.setdefault(req_id, set()).update(self.states[req_id].block_ids)
         self._starts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         self._starts.update((d.req_id, d.num_computed_tokens) for d in so.scheduled_new_reqs)
-        if self.drafts is not None:
+        if self.drafting is not None and self.vllm_config.scheduler_config.async_scheduling:
             # The async scheduler counted last step's drafts as accepted; the model runner
             # starts from what was (vLLM corrects it on the GPU from the accepted counts).
             for req_id in cached.req_ids:
@@ -214,9 +214,9 @@ class Worker:
         return self._starts[req_id]
 
     def _drafts(self, req_id: str, scheduled: list[int]) -> list[int]:
-        """The draft tokens of a step: the scheduler's, or under async scheduling this worker's
-        own proposals where the scheduler left placeholders."""
-        if self.drafts is None:
+        """The draft tokens of a step: the scheduler's (this worker's proposals, sent back), or
+        under async scheduling its own proposals where the scheduler left placeholders."""
+        if not self.vllm_config.scheduler_config.async_scheduling:
             return scheduled
         return self.states[req_id].proposals[:len(scheduled)]
 
@@ -225,12 +225,12 @@ class Worker:
         """Count the tokens whose KV is now right and, when this worker drafts, propose."""
         state = self.states[req_id]
         last_real = self._start(req_id) + num_tokens - num_drafts
-        if not sampled:  # a prefill chunk
-            state.computed = last_real
+        if not sampled:  # a prefill chunk: nothing to draft from
+            state.computed, state.proposals = last_real, []
             return
         state.computed = last_real + len(sampled) - 1  # the accepted drafts; not the new token
-        if self.drafts is not None:
-            count, acceptance = self.drafts
+        if self.drafting is not None:
+            count, acceptance = self.drafting
             accepted = acceptance[state.proposed % len(acceptance)]
             state.proposed += 1
             state.proposals = state.sequence.drafts(last_real + len(sampled), count, accepted)

@@ -103,10 +103,10 @@ class Engine:
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=BLOCK_SIZE, log_stats=True)
         worker_drafts = ((setup.num_speculative_tokens, setup.draft_acceptance)
-                         if setup.async_scheduling and setup.num_speculative_tokens else None)
+                         if setup.num_speculative_tokens else None)
         self.workers = [Worker(self.vllm_config, configs[rank], rank, self.scheduler.requests,
                                gates[rank] if gates else None, setup.speculator,
-                               last_stage=rank // tp == pp - 1, drafts=worker_drafts)
+                               last_stage=rank // tp == pp - 1, drafting=worker_drafts)
                         for rank in range(world)]
         self.output_rank = (pp - 1) * tp  # the executor's: the last stage's first worker
         self.aggregator = KVOutputAggregator(world)
@@ -117,8 +117,6 @@ class Engine:
         self.stats: list[dict[str, Any]] = []  # the connector stats of every step
         self.steps = 0
         self.preemptions = 0
-        self.truths: dict[str, TokenSequence] = {}  # request -> its true continuation
-        self.drafted: dict[str, int] = {}  # request -> drafts proposed for it so far
         self.spec_counts = [0, 0]  # drafts scheduled, drafts accepted (from vLLM's stats)
         self.drain_when_idle = True  # off while a test holds a copy in flight
         Engine.live.append(self)
@@ -149,7 +147,6 @@ class Engine:
                           block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
         self.scheduler.add_request(request)
         self.added.add(req_id)
-        self.truths[req_id] = TokenSequence(prompt)
         return request
 
     def abort(self, req_id: str) -> None:
@@ -198,20 +195,11 @@ class Engine:
                 self.spec_counts[1] += stats.spec_decoding_stats.num_accepted_tokens
 
     def _propose_drafts(self, req_ids: list[str]) -> None:
-        """What EngineCore.post_step does with the drafter's proposals (vLLM ignores drafts for
-        finished requests and prefill chunks)."""
-        ids, drafts = [], []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            count = self.drafted.get(req_id, 0)
-            self.drafted[req_id] = count + 1
-            accepted = self.setup.draft_acceptance[count % len(self.setup.draft_acceptance)]
-            ids.append(req_id)
-            drafts.append(self.truths[req_id].drafts(request.num_tokens,
-                                                     self.setup.num_speculative_tokens, accepted))
-        self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
+        """What EngineCore.post_step does: the output rank's proposals to the scheduler (which
+        ignores them for finished requests and prefill chunks)."""
+        states = self.workers[self.output_rank].states
+        self.scheduler.update_draft_token_ids(
+            DraftTokenIds(req_ids, [states[req_id].proposals for req_id in req_ids]))
 
     def run(self, until: Callable[[], bool] | None = None, max_steps: int = 2000) -> None:
         """Step until `until()` (default: the scheduler has nothing left, queue empty)."""
