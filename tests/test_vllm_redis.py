@@ -41,13 +41,6 @@ def make_engine(model_dir: str, cluster: LocalRedisCluster, async_scheduling: bo
                                   tensor_parallel_size=tp, extra_config=config))
 
 
-def block_keys(engine: h.Engine, prompt: list[int]) -> list[bytes]:
-    """The rank-0 keys of the prompt's full blocks (what the engine puts and looks up)."""
-    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
-                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
-    return engine.connector._scheduler.namespace.keys(probe.block_hashes)
-
-
 def cluster_keys(cluster: LocalRedisCluster) -> int:
     admin = cluster.admin()
     try:
@@ -87,7 +80,7 @@ def test_a_master_killed_after_lookup_recomputes_its_blocks_and_survivors_still_
     first = make_engine(model_dir, cluster, async_scheduling)
     prompt = make_prompt(4, 8 * BS + 5)
     run_to_completion(first, {"a": (prompt, 2)})
-    masters = [cluster.master_index_for_key(redis_key(k)) for k in block_keys(first, prompt)]
+    masters = [cluster.master_index_for_key(redis_key(k)) for k in h.prompt_keys(first, prompt)]
     # The victim: the master of the first block that is not on block 0's master.
     lost = next(i for i, m in enumerate(masters) if m != masters[0])
     victim = masters[lost]
@@ -122,7 +115,7 @@ def test_a_wrong_password_recomputes_and_stores_nothing(model_dir: str, redis_cl
     honest = RedisClusterBackend(cluster.url, RedisAuth.from_sources(None, cluster.password_file),
                                  namespace=intruder.connector._scheduler.namespace)
     with honest:
-        assert honest.lookup(block_keys(intruder, prompt)) == 0
+        assert honest.lookup(h.prompt_keys(intruder, prompt)) == 0
 
 
 @pytest.mark.parametrize(("extra", "message"), [

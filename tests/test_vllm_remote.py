@@ -149,9 +149,7 @@ def test_store_killed_between_lookup_and_load_recomputes(
     assert all(w.starts["b"] == [0] for w in second.workers)  # recomputed, never read poison
     assert remote_failures(second) >= tp  # every rank's get failed
     # The failed fetch left nothing in the CPU tier that was not recomputed and stored again.
-    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
-                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
-    assert all(core.index.contains(k) for k in core.namespace.keys(probe.block_hashes))
+    assert all(core.index.contains(k) for k in h.prompt_keys(second, prompt))
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
@@ -192,9 +190,7 @@ def test_block_evicted_between_lookup_and_load_keeps_the_head(
     second = make_engine(model_dir, store.url, async_scheduling)
     poison_gpu(second)
     core = second.connector._scheduler
-    probe = h.Request("probe", prompt, h.SamplingParams(max_tokens=1), None,
-                      block_hasher=h.get_request_block_hasher(BS, h.sha256))
-    third = core.namespace.key(probe.block_hashes[2])
+    third = h.prompt_keys(second, prompt)[2]
     deleted: list[bool] = []
 
     def delete_block_2() -> None:  # the fetch is planned: the store drops block 2, once

@@ -295,13 +295,18 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
     return engine
 
 
-def stored_tokens(engine: Engine, prompt: list[int]) -> int:
-    """Tokens of the longest prefix of `prompt` the CPU tier holds now."""
-    core = engine.connector._scheduler
+def prompt_keys(engine: Engine, prompt: list[int]) -> list[bytes]:
+    """The rank-0 keys of the prompt's full blocks (what the engine stores and looks up)."""
     request = Request("probe", prompt, SamplingParams(max_tokens=1), None,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
-    keys = core.namespace.keys(request.block_hashes)
-    return BLOCK_SIZE * next((i for i, key in enumerate(keys) if not core.index.contains(key)),
+    return engine.connector._scheduler.namespace.keys(request.block_hashes)
+
+
+def stored_tokens(engine: Engine, prompt: list[int]) -> int:
+    """Tokens of the longest prefix of `prompt` the CPU tier holds now."""
+    index = engine.connector._scheduler.index
+    keys = prompt_keys(engine, prompt)
+    return BLOCK_SIZE * next((i for i, key in enumerate(keys) if not index.contains(key)),
                              len(keys))
 
 
