@@ -124,3 +124,19 @@ def test_parse_size() -> None:
     assert parse_size("4096") == 4096 and parse_size("2GiB") == 2 << 30
     with pytest.raises(ValueError):
         parse_size("0")
+
+
+def test_raw_remote_baseline_gets_more_blocks_than_the_high_water_mark(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw ROUTER once dropped every block past its 1000-message HWM, so a get of a large
+    case's blocks waited out the timeout (the GPU machine's run hung on its block-size sweep)."""
+    from kvconnector.bench import remote
+    from transfer.remote.security import Security
+
+    monkeypatch.setattr(remote, "_TIMEOUT_S", 10.0)
+    n, block = 3000, 16 << 10
+    pool = torch.full((2 * n, block), 0xA5, dtype=torch.uint8)  # odd rows: where gets land
+    pool[0::2] = torch.arange(1, n + 1, dtype=torch.int32).view(n, 1).to(torch.uint8)
+    puts, gets = remote._raw_baseline(pool, n, Security.none(), Security.none(), repeats=2)
+    assert len(puts) == len(gets) == 2 and min(puts + gets) > 0
+    assert torch.equal(pool[1::2], pool[0].expand(n, block))  # the server sends block 0 n times

@@ -174,6 +174,72 @@ def test_dma_issue_passes_the_cuda13_batch_arguments_in_order() -> None:
     assert torch.equal(storage, want)
 
 
+def _fake_batch_runtime(calls: list[int], fail_at: int | None = None) -> type:
+    """A stand-in runtime whose batch call copies host memory and records each call's count."""
+
+    class FakeRuntime:
+        @staticmethod
+        def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
+            calls.append(count)
+            if len(calls) - 1 == fail_at:
+                return (1,)  # cudaErrorInvalidValue
+            for d, s, n in zip(dsts, srcs, sizes, strict=True):
+                ctypes.memmove(d, s, n)
+            return (0,)
+
+    return FakeRuntime
+
+
+def _many_rows_copy(rows: int) -> tuple[RowCopy, list[torch.Tensor], list[torch.Tensor]]:
+    """Two segments, `rows` rows each, shuffled: the copy, its destinations and what they want."""
+    rng = np.random.default_rng(rows)
+    src_rows, dst_rows = rng.permutation(rows), rng.permutation(rows)
+    pairs, dsts, wants = [], [], []
+    for k, width in enumerate((24, 40)):
+        src = strided_rows(rows, width, 64, seed=k)
+        dst = torch.full((rows, width), 0xA5, dtype=torch.uint8)  # poisoned
+        want = dst.clone()
+        want[dst_rows] = src[src_rows]
+        pairs.append((src, dst))
+        dsts.append(dst)
+        wants.append(want)
+    return RowCopy(2, tuple(pairs), src_rows, dst_rows), dsts, wants
+
+
+def test_dma_issues_a_large_job_in_growing_batches_that_cover_every_copy_once() -> None:
+    """The engines start on a first small batch while the host issues the rest."""
+    from transfer.cuda_copy import DmaBackend, batch_slices
+
+    assert batch_slices(0) == []
+    assert batch_slices(32) == [slice(0, 32)]
+    assert batch_slices(33) == [slice(0, 32), slice(32, 33)]
+    calls: list[int] = []
+    backend = object.__new__(DmaBackend)
+    backend._rt, backend._attrs = _fake_batch_runtime(calls), "attrs"
+    copy, got, want = _many_rows_copy(350)  # 700 copies: 32 + 64 + 128 + 256 + 220
+    backend.issue(copy, _FakeStream())
+    assert calls == [32, 64, 128, 256, 220]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_dma_batch_refused_part_way_raises_naming_the_copies() -> None:
+    """The lane reports the job failed; the batches before the refused one were queued."""
+    from transfer.cuda_copy import DmaBackend
+
+    calls: list[int] = []
+    backend = object.__new__(DmaBackend)
+    backend._rt, backend._attrs = _fake_batch_runtime(calls, fail_at=1), "attrs"
+    copy, got, _ = _many_rows_copy(100)
+    with pytest.raises(RuntimeError, match="copies 32-95 of 200 failed"):
+        backend.issue(copy, _FakeStream())
+    assert calls == [32, 64]
+    # The first batch (segment 0's first 32 row copies) landed; nothing after it did.
+    done = torch.zeros(100, dtype=torch.bool)
+    done[copy.dst_rows[:32]] = True
+    assert torch.equal(got[0][copy.dst_rows[:32]], copy.pairs[0][0][copy.src_rows[:32]])
+    assert (got[0][~done] == 0xA5).all() and (got[1] == 0xA5).all()
+
+
 def test_dma_loop_passes_dst_src_size_kind_stream() -> None:
     from transfer.cuda_copy import DmaBackend
 

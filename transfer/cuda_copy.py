@@ -1,9 +1,9 @@
 """CUDA copy backends: a lane is a dedicated non-blocking stream; events order and time the jobs.
 
 Two ways to issue one job's copies onto a lane's stream:
-- `DmaBackend`: the copy engines. One cudaMemcpyBatchAsync call (cuda-bindings, CUDA >= 12.8
-  runtime API, CUDA 13 signature) per job, sources read in stream order; where the batch call is
-  missing or refused, one cupy memcpyAsync per copy.
+- `DmaBackend`: the copy engines. cudaMemcpyBatchAsync (cuda-bindings, CUDA >= 12.8 runtime API,
+  CUDA 13 signature) in a few growing batches per job, sources read in stream order; where the
+  batch call is missing or refused, one cupy memcpyAsync per copy.
 - `SmCopyBackend`: the SMs. A cupy RawKernel gathers/scatters rows through mapped pinned host
   memory; a candidate for the fallback's small pages (8-72 KB), where per-copy DMA overhead shows.
 
@@ -27,6 +27,13 @@ from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segme
 log = logging.getLogger(__name__)
 
 _POLL_SECONDS = 1e-4
+# A job's copies go to the copy engines in batches of growing size: 32 copies, then twice as many
+# each time. The engines idle until a batch call returns, and one call for 1024 copies takes ~1 ms
+# of host time: 3% of a 2 GiB job at 2 MiB blocks, 13% at 256 KiB (H200, 2026-11-22). In batches,
+# the engines copy one while the host issues the next; doubling (not 4x) keeps each batch's copy
+# time ahead of the next one's issue time for small blocks on a slower host.
+_FIRST_BATCH = 32
+_BATCH_GROWTH = 2
 # cupy.cuda.runtime's value of cudaMemcpyDefault: the direction follows from the addresses (UVA).
 _MEMCPY_DEFAULT = 4
 
@@ -152,7 +159,7 @@ class _CudaBackend(CopyBackend):
 
 
 class DmaBackend(_CudaBackend):
-    """Copy engines: one cudaMemcpyBatchAsync per job; cupy memcpyAsync per copy as fallback.
+    """Copy engines: cudaMemcpyBatchAsync in growing batches; cupy memcpyAsync per copy as fallback.
 
     `batched=False` forces the per-copy loop (to measure the batch against it). `self.batched`
     says which one runs: the batch call is probed once and dropped if the runtime refuses it.
@@ -179,10 +186,14 @@ class DmaBackend(_CudaBackend):
             return
         handle = stream.cuda_stream
         if self._attrs is not None:
-            # CUDA 13 signature: dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream.
-            result = self._rt.cudaMemcpyBatchAsync(dsts.tolist(), srcs.tolist(), sizes.tolist(),
-                                                   count, [self._attrs], [0], 1, handle)
-            _check(result[0], f"cudaMemcpyBatchAsync of {count} copies")
+            for part in batch_slices(count):
+                n = part.stop - part.start
+                # CUDA 13 signature: dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream.
+                result = self._rt.cudaMemcpyBatchAsync(
+                    dsts[part].tolist(), srcs[part].tolist(), sizes[part].tolist(), n,
+                    [self._attrs], [0], 1, handle)
+                _check(result[0], f"cudaMemcpyBatchAsync of copies {part.start}-{part.stop - 1} "
+                                  f"of {count}")
             return
         for src, dst, size in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
             self._memcpy_async(dst, src, size, _MEMCPY_DEFAULT, handle)
@@ -212,6 +223,16 @@ class DmaBackend(_CudaBackend):
                         exc)
             return None
         return attrs
+
+
+def batch_slices(count: int) -> list[slice]:
+    """The consecutive batches `count` copies are issued in: _FIRST_BATCH, then growing."""
+    parts, start, size = [], 0, _FIRST_BATCH
+    while start < count:
+        parts.append(slice(start, min(start + size, count)))
+        start += size
+        size *= _BATCH_GROWTH
+    return parts
 
 
 _KERNEL = r"""

@@ -147,7 +147,10 @@ def _raw_baseline(pool: torch.Tensor, n: int, server_sec: Any, client_sec: Any,
     router = ctx.socket(zmq.ROUTER)
     auth = server_sec.apply_server(ctx, router, _LISTEN)
     router.linger = 0
-    router.rcvtimeo = int(_TIMEOUT_S * 1000)  # never hang the run on a lost peer
+    # A ROUTER drops what it cannot queue: a get of more blocks than its high-water mark lost the
+    # rest, and the run waited out the timeout for them. Mandatory, a send waits for room instead.
+    router.router_mandatory = 1
+    router.rcvtimeo = router.sndtimeo = int(_TIMEOUT_S * 1000)  # never hang on a lost peer
     router.bind(_LISTEN)
     endpoint = router.last_endpoint.decode()
     rows = pool.numpy()
