@@ -152,35 +152,14 @@ def _host_copy_and_want() -> tuple[RowCopy, torch.Tensor, torch.Tensor]:
     return RowCopy(1, ((src, dst),), np.array([1, 5]), np.array([4, 0])), storage, want_storage
 
 
-def test_dma_issue_passes_the_cuda13_batch_arguments_in_order() -> None:
-    """DmaBackend.issue against a stand-in runtime that copies host memory: argument order."""
-    from transfer.cuda_copy import DmaBackend
-
-    calls = []
+def _fake_batch_runtime(calls: list[tuple], fail_at: int | None = None) -> type:
+    """A stand-in runtime whose batch call copies host memory and records its other arguments;
+    the call numbered `fail_at` (from 0) returns an error instead."""
 
     class FakeRuntime:
         @staticmethod
         def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
             calls.append((count, attrs, idxs, num_attrs, stream))
-            for d, s, n in zip(dsts, srcs, sizes, strict=True):
-                ctypes.memmove(d, s, n)
-            return (0,)
-
-    backend = object.__new__(DmaBackend)
-    backend._rt, backend._attrs = FakeRuntime, "attrs"
-    copy, storage, want = _host_copy_and_want()
-    backend.issue(copy, _FakeStream())
-    assert calls == [(2, ["attrs"], [0], 1, 0x77)]
-    assert torch.equal(storage, want)
-
-
-def _fake_batch_runtime(calls: list[int], fail_at: int | None = None) -> type:
-    """A stand-in runtime whose batch call copies host memory and records each call's count."""
-
-    class FakeRuntime:
-        @staticmethod
-        def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
-            calls.append(count)
             if len(calls) - 1 == fail_at:
                 return (1,)  # cudaErrorInvalidValue
             for d, s, n in zip(dsts, srcs, sizes, strict=True):
@@ -188,6 +167,23 @@ def _fake_batch_runtime(calls: list[int], fail_at: int | None = None) -> type:
             return (0,)
 
     return FakeRuntime
+
+
+def _dma_backend(calls: list[tuple], fail_at: int | None = None) -> object:
+    from transfer.cuda_copy import DmaBackend
+
+    backend = object.__new__(DmaBackend)
+    backend._rt, backend._attrs = _fake_batch_runtime(calls, fail_at), "attrs"
+    return backend
+
+
+def test_dma_issue_passes_the_cuda13_batch_arguments_in_order() -> None:
+    """DmaBackend.issue against a stand-in runtime that copies host memory: argument order."""
+    calls: list[tuple] = []
+    copy, storage, want = _host_copy_and_want()
+    _dma_backend(calls).issue(copy, _FakeStream())
+    assert calls == [(2, ["attrs"], [0], 1, 0x77)]
+    assert torch.equal(storage, want)
 
 
 def _many_rows_copy(rows: int) -> tuple[RowCopy, list[torch.Tensor], list[torch.Tensor]]:
@@ -208,31 +204,25 @@ def _many_rows_copy(rows: int) -> tuple[RowCopy, list[torch.Tensor], list[torch.
 
 def test_dma_issues_a_large_job_in_growing_batches_that_cover_every_copy_once() -> None:
     """The engines start on a first small batch while the host issues the rest."""
-    from transfer.cuda_copy import DmaBackend, batch_slices
+    from transfer.cuda_copy import batch_slices
 
     assert batch_slices(0) == []
     assert batch_slices(32) == [slice(0, 32)]
     assert batch_slices(33) == [slice(0, 32), slice(32, 33)]
-    calls: list[int] = []
-    backend = object.__new__(DmaBackend)
-    backend._rt, backend._attrs = _fake_batch_runtime(calls), "attrs"
+    calls: list[tuple] = []
     copy, got, want = _many_rows_copy(350)  # 700 copies: 32 + 64 + 128 + 256 + 220
-    backend.issue(copy, _FakeStream())
-    assert calls == [32, 64, 128, 256, 220]
+    _dma_backend(calls).issue(copy, _FakeStream())
+    assert [call[0] for call in calls] == [32, 64, 128, 256, 220]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_dma_batch_refused_part_way_raises_naming_the_copies() -> None:
     """The lane reports the job failed; the batches before the refused one were queued."""
-    from transfer.cuda_copy import DmaBackend
-
-    calls: list[int] = []
-    backend = object.__new__(DmaBackend)
-    backend._rt, backend._attrs = _fake_batch_runtime(calls, fail_at=1), "attrs"
+    calls: list[tuple] = []
     copy, got, _ = _many_rows_copy(100)
     with pytest.raises(RuntimeError, match="copies 32-95 of 200 failed"):
-        backend.issue(copy, _FakeStream())
-    assert calls == [32, 64]
+        _dma_backend(calls, fail_at=1).issue(copy, _FakeStream())
+    assert [call[0] for call in calls] == [32, 64]
     # The first batch (segment 0's first 32 row copies) landed; nothing after it did.
     done = torch.zeros(100, dtype=torch.bool)
     done[copy.dst_rows[:32]] = True
