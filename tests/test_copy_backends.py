@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -16,6 +17,9 @@ from transfer.copy_backends import (
     ThreadCompletion,
     make_backend,
 )
+
+if TYPE_CHECKING:
+    from transfer.cuda_copy import DmaBackend
 
 TIMEOUT = 60.0
 
@@ -169,7 +173,7 @@ def _fake_batch_runtime(calls: list[tuple], fail_at: int | None = None) -> type:
     return FakeRuntime
 
 
-def _dma_backend(calls: list[tuple], fail_at: int | None = None) -> object:
+def _dma_backend(calls: list[tuple], fail_at: int | None = None) -> DmaBackend:
     from transfer.cuda_copy import DmaBackend
 
     backend = object.__new__(DmaBackend)
