@@ -16,8 +16,9 @@ With a remote store (kvconnector/remote_tier.py): `lookup` keeps the keys past t
 hits (`remote_candidates`); the adapter asks the store and sets `set_remote_hits`; a load job
 then also fetches those blocks from the store into slots reserved like stores (a good fetch
 leaves them in the CPU tier). Every store job is also put to the store by every worker once
-copied (write-through); its keys are readable at once and pinned until every worker reports the
-put (`JobReport.put`), so no new store reuses a slot zmq still reads.
+copied (write-through; a worker whose bytes another rank puts only reports); its keys are
+readable at once and pinned until every worker reports the put (`JobReport.put`), so no new
+store reuses a slot zmq still reads.
 
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`

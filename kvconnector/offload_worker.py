@@ -146,13 +146,14 @@ class OffloadWorker:
             # A partly fetched load copied its good head; its tail failed in the store.
             tail = self._partial.pop(result.job_id, ())
             (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
-            if result.is_store and result.ok and result.job_id in self._put_keys:
+            if result.is_store and result.ok and result.job_id in self._put_keys \
+                    and self.remote.writes:
                 # Write-through; reported in `put` once done: the scheduler keeps the slots
                 # pinned until then, so no new store overwrites what zmq still reads.
                 keys, slots = self._put_keys.pop(result.job_id)
                 self._putting[result.job_id] = (self.remote.put(keys, slots), slots)
             elif self._put_keys.pop(result.job_id, None) is not None:
-                report.put[result.job_id] = 1  # no copy, no put; the scheduler counts it
+                report.put[result.job_id] = 1  # no copy or another rank puts: counted, no put
             if result.is_store:
                 del self._stores[result.job_id]
                 report.store_bytes += result.nbytes

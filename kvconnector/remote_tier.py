@@ -13,7 +13,9 @@ job.
 
 Keys: the scheduler's block index uses the namespace of TP rank 0; rank r puts and gets under
 its own rank's namespace (same hash, rank r's digest), since its bytes differ. Lookups ask for
-rank 0's keys only: a rank missing a block makes the load fail and vLLM recompute it.
+rank 0's keys only: a rank missing a block makes the load fail and vLLM recompute it. Where every
+TP rank holds the same bytes (MLA's latent cache), all ranks use rank 0's keys and only rank 0
+puts (`writes`): one copy in the store instead of one per rank.
 """
 
 from __future__ import annotations
@@ -152,12 +154,14 @@ class RemoteFetcher:
     """Gets and puts whole blocks between one worker's pool and the store (worker side).
 
     `pool`: the worker's (num_slots, block_bytes) uint8 slot rows; `namespace_digest`: this
-    rank's namespace (keys from the scheduler are re-keyed to it).
+    rank's namespace (keys from the scheduler are re-keyed to it); `writes`: whether this rank
+    puts its stored blocks (False on a rank whose bytes another rank puts under the same keys).
     """
 
     def __init__(self, settings: RemoteSettings, namespace_digest: bytes,
-                 pool: torch.Tensor) -> None:
+                 pool: torch.Tensor, writes: bool = True) -> None:
         self.timeout_s = settings.timeout_s
+        self.writes = writes
         self._digest = namespace_digest
         # Two connections: calls on one run in order, and a load must not wait behind puts.
         self._getter, self._putter = (

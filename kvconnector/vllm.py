@@ -18,8 +18,6 @@ Supported: one KV cache group of full attention (MLA included), any TP/PP size, 
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,9 +47,9 @@ from kvconnector.offload_worker import OffloadWorker
 from kvconnector.options import ConnectorOptions
 from kvconnector.registry import decide
 from kvconnector.remote_tier import RemoteFetcher, RemoteLookups
+from kvconnector.vllm_namespace import engine_namespace, rank_namespace
 from kvconnector.vllm_stats import OffloadPromMetrics, OffloadStats
 from transfer.copy_backends import CopyBackend, make_backend
-from transfer.keys import Namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -167,8 +165,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int]] = {}  # request -> (host, remote) tokens
         parallel = vllm_config.parallel_config
-        self._namespace = _namespace(vllm_config, spec, num_layers,
-                                     parallel.tensor_parallel_size)
+        self._namespace = engine_namespace(vllm_config, spec, num_layers,
+                                           parallel.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
             remote = self._remote is not None
             self._scheduler = OffloadScheduler(
@@ -202,15 +200,10 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes)
         if self._remote is not None:
-            # This rank's bytes have their own keys in the store: its TP rank, and its PP stage
-            # (other layers) in the salt. vLLM numbers ranks with TP fastest.
-            parallel = self._vllm_config.parallel_config
-            tp_rank, pp_rank = (parallel.rank % parallel.tensor_parallel_size,
-                                parallel.rank // parallel.tensor_parallel_size)
-            salt = self._namespace.salt + (f"/pp{pp_rank}" if pp_rank else "")
-            rank_namespace = dataclasses.replace(self._namespace, tp_rank=tp_rank, salt=salt)
-            self._worker.attach_remote(RemoteFetcher(self._remote, rank_namespace.digest,
-                                                     self._worker.pool.slots))
+            namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
+                                               self._vllm_config.parallel_config)
+            self._worker.attach_remote(RemoteFetcher(self._remote, namespace.digest,
+                                                     self._worker.pool.slots, writes=writes))
         asked, why = self._layout_request
         logger.info("CrossLayerOffloadConnector rank %d: asked for %s (%s), vLLM resolved %s; %s",
                     self._vllm_config.parallel_config.rank, asked or "vLLM's default", why,
@@ -392,25 +385,3 @@ def _largest_pp_stage(vllm_config: VllmConfig) -> int:
     return max(end - start for start, end in
                (get_pp_indices(total, rank, pp_size) for rank in range(pp_size)))
 
-
-def slot_order(layout: str) -> str:
-    """Byte order inside a pool slot for a cache in `layout`: a block-major chunk is copied
-    whole (BHLNC -> HLNC); the per-layer fallback puts each layer's page in layer order
-    (LBNHC -> LNHC, LHBNC -> LHNC), so equal orders mean equal bytes."""
-    if layout.startswith("B"):
-        return layout[1:]
-    return "L" + "".join(axis for axis in layout if axis not in "LB")
-
-
-def _namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layers: int,
-               tp_size: int) -> Namespace:
-    """What a slot's bytes mean: one block of every layer of one rank, in `slot_order`."""
-    layout = vllm_config.cache_config.kv_cache_layout or "LBNHC"
-    block_layout = (f"{type(spec).__name__} {slot_order(layout)} L={num_layers} "
-                    f"H={spec.num_kv_heads} "
-                    f"D={spec.head_size} page={spec.page_size_bytes}")
-    return Namespace(model=vllm_config.model_config.model,
-                     dtype=str(spec.dtype).removeprefix("torch."), block_size=spec.block_size,
-                     block_layout=block_layout, tp_size=tp_size,
-                     hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
-                     hash_seed=os.environ.get("PYTHONHASHSEED", ""))

@@ -147,12 +147,12 @@ def test_lookups_answer_later_then_zero_when_the_store_is_down(store: StoreProce
 
 
 # -- worker core ---------------------------------------------------------------------------------
-def make_worker(url: str) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
+def make_worker(url: str, writes: bool = True) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=BS,
                       dtype=torch.bfloat16, order="BLNHC")
     caches = {f"l{i}": v for i, v in enumerate(allocate(layout, num_blocks=8).layer_views())}
     worker = OffloadWorker(caches, 4, backend=ThreadBackend())
-    worker.attach_remote(RemoteFetcher(settings(url), NS.digest, worker.pool.slots))
+    worker.attach_remote(RemoteFetcher(settings(url), NS.digest, worker.pool.slots, writes))
     return worker, caches
 
 
@@ -213,3 +213,21 @@ def test_worker_writes_through_and_fetches_bit_exact(store: StoreProcess) -> Non
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_worker_that_does_not_write_reports_its_puts_and_sends_nothing(
+        store: StoreProcess) -> None:
+    # MLA at TP > 1: rank 0 puts the bytes every rank holds; the others only report.
+    worker, caches = make_worker(store.url, writes=False)
+    try:
+        core = OffloadScheduler(NS, 4, BS, 1, remote=True)
+        core.plan_stores("a", hashes("n", 2), [1, 2], 2 * BS)
+        worker.submit_stores(core.build_step())
+        settle(worker, core)  # returns only once the put is reported
+        with StoreClient(store.url, Security.none()) as client:
+            stats = client.stats()
+        assert (stats["blocks"], stats["requests_put"]) == (0, 0)
+        assert core.index.contains(NS.key(hashes("n", 2)[1]))  # the CPU tier still holds them
+        assert worker.remote_failures == 0
+    finally:
+        worker.close()

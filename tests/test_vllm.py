@@ -42,7 +42,6 @@ from kvconnector.vllm import (  # noqa: E402
     CrossLayerOffloadConnector,
     _largest_pp_stage,
     required_layout,
-    slot_order,
 )
 from kvconnector.vllm_stats import OffloadStats  # noqa: E402
 
@@ -86,14 +85,6 @@ def test_layout_opt_out_keeps_vllm_default_and_moves_layer_by_layer(
 
 
 # -- options, layout choice, stats, lifecycle --------------------------------------------------
-def test_slot_order_names_equal_bytes_equally() -> None:
-    # A slot holds one block of every layer: the block-major chunk, or the per-layer pages in
-    # layer order. Layouts that give the same slot bytes share a namespace; BHLNC does not.
-    assert {slot_order(x) for x in ("BLNHC", "LBNHC")} == {"LNHC"}
-    assert {slot_order(x) for x in ("BLHNC", "LBHNC", "LHBNC")} == {"LHNC"}
-    assert slot_order("BHLNC") == "HLNC"
-
-
 def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
     from types import SimpleNamespace
 

@@ -47,13 +47,13 @@ def store(tmp_path: Path) -> Iterator[StoreProcess]:
 
 
 def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: int = 1,
-                cpu_slots: int = 64, pp: int = 1, num_gpu_blocks: int = 64,
+                cpu_slots: int = 64, pp: int = 1, num_gpu_blocks: int = 64, mla: bool = False,
                 **extra: object) -> h.Engine:
-    config = {"cpu_bytes": cpu_slots * h.block_bytes(tp), "remote_url": url,
+    config = {"cpu_bytes": cpu_slots * h.block_bytes(tp, mla), "remote_url": url,
               "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                  num_gpu_blocks=num_gpu_blocks, extra_config=config))
+                                  num_gpu_blocks=num_gpu_blocks, mla=mla, extra_config=config))
 
 
 def store_stats(url: str) -> dict:
@@ -65,23 +65,31 @@ def remote_failures(engine: h.Engine) -> int:
     return sum(w.connector._worker.remote_failures for w in engine.workers)
 
 
-@pytest.mark.parametrize(("async_scheduling", "tp", "pp"), [
-    pytest.param(False, 1, 1, id="Scheduler-tp1"),
-    pytest.param(True, 1, 1, id="AsyncScheduler-tp1"),
-    pytest.param(False, 2, 1, id="Scheduler-tp2"),
-    pytest.param(True, 2, 1, id="AsyncScheduler-tp2"),
+@pytest.mark.parametrize(("async_scheduling", "tp", "pp", "mla"), [
+    pytest.param(False, 1, 1, False, id="Scheduler-tp1"),
+    pytest.param(True, 1, 1, False, id="AsyncScheduler-tp1"),
+    pytest.param(False, 2, 1, False, id="Scheduler-tp2"),
+    pytest.param(True, 2, 1, False, id="AsyncScheduler-tp2"),
     # Each stage's ranks put their own layers under keys of their own (the stage in the salt).
-    pytest.param(False, 1, 2, id="Scheduler-pp2")])
+    pytest.param(False, 1, 2, False, id="Scheduler-pp2"),
+    # MLA's latent is the same on every TP rank: one copy in the store, read by every rank.
+    pytest.param(True, 2, 1, True, id="AsyncScheduler-tp2-mla"),
+    pytest.param(False, 2, 2, True, id="Scheduler-tp2-pp2-mla")])
 def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
-        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int, pp: int) -> None:
-    first = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp)
+        model_dir: str, store: StoreProcess, async_scheduling: bool, tp: int, pp: int,
+        mla: bool) -> None:
+    first = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp, mla=mla)
     prompt = make_prompt(1, 4 * BS + 6)
     run_to_completion(first, {"a": (prompt, 3)})
     stats = store_stats(store.url)
-    # Write-through: every full block of every rank, once; the stages' layers add up to a block.
-    assert (stats["blocks"], stats["put_bytes"]) == (4 * tp * pp, 4 * tp * h.block_bytes(tp))
+    # Write-through: every full block of every rank, once (of every stage under MLA, and
+    # nothing put twice); the stages' layers add up to a block.
+    copies = 1 if mla else tp
+    block_bytes = h.block_bytes(tp, mla)
+    assert (stats["blocks"], stats["put_bytes"], stats["put_existing"]) == \
+        (4 * copies * pp, 4 * copies * block_bytes, 0)
 
-    second = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp)
+    second = make_engine(model_dir, store.url, async_scheduling, tp, pp=pp, mla=mla)
     poison_gpu(second)
     request = second.add("b", prompt, max_tokens=3)
     second.run(until=lambda: second.scheduler.requests["b"].status
@@ -94,7 +102,7 @@ def test_two_engines_sharing_a_store_share_a_prefix_bit_exact(
         assert worker.starts["b"] == [4 * BS]  # resumed after the remote load
         assert worker.prefix_checks == 4 * BS  # every fetched byte compared
     stats = store_stats(store.url)
-    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp * pp, 4 * tp * h.block_bytes(tp))
+    assert (stats["get_blocks"], stats["get_bytes"]) == (4 * tp * pp, 4 * tp * block_bytes)
     assert remote_failures(second) == 0
     # The fetched blocks now live in the second engine's CPU tier too: a third request sharing
     # two blocks is served from the host pool without asking the store for them.

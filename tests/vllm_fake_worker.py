@@ -3,10 +3,11 @@ allocation and worker-side connector driver, and a fake, deterministic model for
 
 The KV the fake model writes at position p (every layer, every rank) and the token it samples
 after p are functions of the tokens up to p (a chained hash), so a block holds the same bytes
-whoever computes it, and the worker can say, for every position a request reads, which bytes must
-be there. When a request (re)starts with computed tokens (a local prefix hit or a load),
-`Worker.execute` compares every byte of them in that first forward, after the step's own KV is
-written (attention reads then).
+whoever computes it, and the worker can say, for every position a request reads, which bytes
+must be there. Each rank writes bytes of its own, except under MLA, where the TP ranks of a
+stage write the same latent, as in vLLM. When a request (re)starts with computed tokens (a local
+prefix hit or a load), `Worker.execute` compares every byte of them in that first forward, after
+the step's own KV is written (attention reads then).
 
 Speculative decoding: positions scheduled with draft tokens get the KV of the drafts (a rejected
 draft leaves KV that looks valid but belongs to a token vLLM did not keep, until a later step
@@ -25,7 +26,7 @@ from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
@@ -116,6 +117,9 @@ class Worker:
         """`drafting`: (count, acceptance) when speculative decoding is on: this worker proposes
         the drafts (see EngineSetup.num_speculative_tokens)."""
         self.rank = rank
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        mla = isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
+        self.kv_rank = rank - rank % tp if mla else rank  # whose bytes this rank writes
         self.speculator = speculator
         self.drafting = drafting
         self.last_stage = last_stage  # earlier stages sample nothing: connector output only
@@ -254,7 +258,7 @@ class Worker:
         for layer in layers:
             pages = self.pages(layer)
             rows = kv_rows(torch.tensor(hashes, dtype=torch.int64), self.layer_names.index(layer),
-                           self.rank, pages.shape[1] * pages.shape[3])
+                           self.kv_rank, pages.shape[1] * pages.shape[3])
             pages[blocks, :, positions % BLOCK_SIZE, :] = rows.view(len(positions),
                                                                     pages.shape[1], -1)
         if last_real < self.scheduler_requests[req_id].num_tokens:
@@ -277,7 +281,7 @@ class Worker:
         hashes = state.sequence.hashes_between(0, num_tokens)
         for layer in self.layer_names if layers is None else layers:
             pages = self.pages(layer)
-            want = kv_rows(hashes, self.layer_names.index(layer), self.rank,
+            want = kv_rows(hashes, self.layer_names.index(layer), self.kv_rank,
                            pages.shape[1] * pages.shape[3])
             got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(num_tokens, -1)
             bad = (got != want).any(dim=1).nonzero().flatten().tolist()
