@@ -32,9 +32,9 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="measure block offload throughput (block-major vs vLLM's layer-major)",
         description="Measure GPU <-> pinned CPU pool block copies (host <-> host without a GPU) "
-                    "for block-major caches beside vLLM's layer-major batched copies, against "
-                    "same-run ceilings; then the remote tier on loopback (and a Redis Cluster, "
-                    "given --redis-url).")
+                    "for block-major caches beside vLLM's own copy path for layer-major ones, "
+                    "against same-run ceilings; then the remote tier on loopback (and a Redis "
+                    "Cluster, given --redis-url).")
     p.error = _one_line_error  # type: ignore[method-assign]
     p.add_argument("--preset", default="all",
                    help=f"comma list of {', '.join(PRESETS)}, or 'all' (default)")
@@ -245,6 +245,7 @@ def _run(args: argparse.Namespace) -> int:
                 plan, arenas.host, budget, args.repeats, step, args.redis_url, redis_auth)
             progress.update(task, completed=total)
         mover_name = results[0]["mover"] if results else ""
+        baseline_name = results[0]["baseline"] if results else ""
         record = {
             "meta": {
                 "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -255,6 +256,7 @@ def _run(args: argparse.Namespace) -> int:
                 "python": platform.python_version(),
                 "command": _command(args, args.budget or DEFAULT_BUDGET[device.type]),
                 "mover": mover_name,
+                "baseline": baseline_name,
                 "budget_bytes": budget,
                 "arenas_ready_s": arenas.ready_s,
                 "repeats": args.repeats,

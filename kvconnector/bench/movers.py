@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from kvconnector.allocator import KVBuffer
-from transfer.copy_backends import Segment, make_backend
+from transfer.copy_backends import CopyBackend, Segment, make_backend
 from transfer.engine import TransferEngine
 from transfer.pool import HostPool
 
@@ -35,12 +35,23 @@ def segments_for(cache: KVBuffer, pool: HostPool) -> list[Segment]:
 
 
 class EngineMover:
-    """Jobs on a TransferEngine; `store`/`load` return job ids, `wait` raises if one failed."""
+    """Jobs on a TransferEngine; `store`/`load` return job ids, `wait` raises if one failed.
+
+    `backend`: a copy backend kind, or "vllm" for vLLM's own copy path on CUDA (the layer-major
+    baseline, kvconnector/bench/vllm_path.py; on a CPU the host copies stand in for it).
+    """
 
     def __init__(self, segments: list[Segment], backend: str = "auto") -> None:
         device = segments[0].gpu.device
-        self.engine = TransferEngine(segments, make_backend(backend, device))
-        self.name = f"transfer engine, {self.engine.backend.name} backend"
+        if backend == "vllm" and device.type == "cuda":
+            from kvconnector.bench.vllm_path import VllmCopyPath  # cuda-bindings, cupy
+
+            copier: CopyBackend = VllmCopyPath(device)
+            self.name = copier.name
+        else:
+            copier = make_backend("auto" if backend == "vllm" else backend, device)
+            self.name = f"transfer engine, {copier.name} backend"
+        self.engine = TransferEngine(segments, copier)
         self._ids = itertools.count()
 
     def store(self, dev_ids: list[int], host_ids: list[int]) -> int:

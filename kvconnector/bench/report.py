@@ -48,7 +48,7 @@ def print_report(record: dict[str, Any], console: Any) -> None:
                           "the two at once. GB/s (ratio of the same-run ceiling); host us per "
                           "block submitted (ratio of one plain copy call); prefix load ms "
                           "(ratio: ideal at the load ceiling / measured). layer-major: one copy "
-                          "per layer per block, vLLM's way.")
+                          f"per layer per block ({record['meta']['baseline']}).")
     for col in ("case", "layout", "copy", "blocks", "load", "store", "both", "host us/block",
                 "prefix tokens", "prefix ms"):
         table.add_column(col, justify="left" if col in ("case", "layout") else "right")

@@ -125,6 +125,7 @@ class CaseResult:
     capacity: int
     blocks: int
     mover: str
+    baseline: str  # the layer-major mover: vLLM's copy path on CUDA
     layouts: dict[str, LayoutResult]
 
     def as_dict(self) -> dict[str, object]:
@@ -144,17 +145,19 @@ def run_case(case: Case, arenas: Arenas, ceilings: Ceilings, blocks: int, prefix
     prefix_blocks = blocks_for_tokens(prefix_tokens, case.layout.block_size)
     prefix = {side: rng.sample(range(0, capacity, 2), prefix_blocks) for side in ("dev", "host")}
     results = {}
-    mover_name = ""
+    movers = {}
     for name in LAYOUTS:
         segments = case_segments(case, arenas, capacity, layer_major=name == "layer_major")
-        mover = EngineMover(segments)
-        mover_name = mover.name
+        # Layer-major is the baseline: the copies vLLM itself would issue for it.
+        mover = EngineMover(segments, "vllm" if name == "layer_major" else "auto")
+        movers[name] = mover.name
         try:
             results[name] = _measure_layout(case, segments, mover, ceilings, ids, prefix,
                                             prefix_tokens, repeats, step, name)
         finally:
             mover.close()
-    return CaseResult(case.describe(), capacity, blocks, mover_name, results)
+    return CaseResult(case.describe(), capacity, blocks, movers["block_major"],
+                      movers["layer_major"], results)
 
 
 def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
