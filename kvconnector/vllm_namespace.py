@@ -40,8 +40,9 @@ def engine_namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layer
 
 def same_bytes_on_every_tp_rank(spec: FullAttentionSpec, parallel: ParallelConfig) -> bool:
     """MLA's latent cache: one head, projected by replicated weights from the hidden state every
-    TP rank holds after the all-reduce, so each rank writes the same bytes. Context parallel
-    splits a sequence's tokens among the ranks, and then each holds its own."""
+    TP rank holds after the all-reduce, so each rank writes the same bytes. With context
+    parallel each rank keeps its own copy: decode context parallel splits a sequence's tokens
+    among the ranks."""
     return (isinstance(spec, MLAAttentionSpec)
             and parallel.decode_context_parallel_size == 1
             and parallel.prefill_context_parallel_size == 1)
