@@ -44,7 +44,7 @@ class EngineMover:
     def __init__(self, segments: list[Segment], backend: str = "auto") -> None:
         device = segments[0].gpu.device
         if backend == "vllm" and device.type == "cuda":
-            from kvconnector.bench.vllm_path import VllmCopyPath  # cuda-bindings, cupy
+            from kvconnector.bench.vllm_path import VllmCopyPath  # libcuda, cupy
 
             copier: CopyBackend = VllmCopyPath(device)
             self.name = copier.name
