@@ -1,14 +1,15 @@
 """Transfer-engine figures of issue 3 that `kvconnector bench` does not cover.
 
 1. GEMM slowdown: a bf16 GEMM loop timed alone, then while the engine moves blocks both ways at
-   full rate (batched DMA over block-major and layer-major caches; the SM RawKernel copy over the
-   layer-major one). Target: DMA slows the GEMM <= 3%; the SM copy's slowdown is reported.
+   full rate (batched DMA over block-major and layer-major caches; the SM RawKernel copy on every
+   SM over the layer-major one; for 8 KiB pages, DMA against "auto", whose loads run on 12 SMs).
+   Target: DMA slows the GEMM <= 3%; the SM copies' slowdown is reported.
 2. Pinned pool ready time: HostPool.create of --pool-size (parallel first touch + chunked
    cudaHostRegister) against a plain single-threaded first-touch memset of the same size, timed
    before and after it in the same run (the faster memset is the baseline). Target >= 1.0x.
-3. SM RawKernel copy vs batched DMA (cudaMemcpyBatchAsync) at the fallback's page sizes
-   (8-72 KB, one copy per layer per block), one way each direction, as ratios of the same-run
-   ceiling.
+3. Batched DMA (cuMemcpyBatchAsync) vs "auto" (loads under 28 KiB on 12 SMs) vs the SM
+   RawKernel copy on every SM at the fallback's page sizes (8-72 KB, one copy per layer per
+   block), one way each direction, as ratios of the same-run ceiling.
 Host time per block against one plain cudaMemcpyAsync is in `kvconnector bench`.
 
     python benchmarks/bench_transfer.py --json bench_transfer.json
@@ -87,23 +88,28 @@ def traffic(mover: EngineMover, side: torch.cuda.Stream, stop: threading.Event, 
             moved[0] += job_bytes
 
 
-def gemm_slowdown(arenas: Any, ceilings: ceilings_mod.Ceilings, case: Case) -> list[dict]:
+def gemm_slowdown(arenas: Any, ceilings: ceilings_mod.Ceilings, case: Case,
+                  small_page_case: Case) -> list[dict]:
     a, b = (torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device="cuda") for _ in "ab")
     out = torch.empty_like(a)
     alone = statistics.median(gemm_ms(a, b, out))
     rows = [{"copy": "none", "gemm_ms": alone, "slowdown": 0.0}]
-    capacity = case_capacity(case, arenas)
-    rng = random.Random(0)
-    (a_dev, b_dev), (a_host, b_host) = (disjoint_id_sets(rng, TRAFFIC_BLOCKS, capacity)
-                                        for _ in range(2))
-    for label, layer_major, backend in (("DMA, block-major", False, "dma"),
-                                        ("DMA, layer-major", True, "dma"),
-                                        ("SM kernel, layer-major", True, "sm")):
-        segments = case_segments(case, arenas, capacity, layer_major)
+    small = f"layer-major, {small_page_case.name}"
+    for label, case_, layer_major, backend in (
+            ("DMA, block-major", case, False, "dma"),
+            ("DMA, layer-major", case, True, "dma"),
+            ("SM kernel on every SM, layer-major", case, True, "sm"),
+            (f"DMA, {small}", small_page_case, True, "dma"),
+            (f"auto (loads on 12 SMs), {small}", small_page_case, True, "auto")):
+        capacity = case_capacity(case_, arenas)
+        rng = random.Random(0)
+        (a_dev, b_dev), (a_host, b_host) = (disjoint_id_sets(rng, TRAFFIC_BLOCKS, capacity)
+                                            for _ in range(2))
+        segments = case_segments(case_, arenas, capacity, layer_major)
         mover = EngineMover(segments, backend)
         check_round_trip(segments, mover, a_dev, a_host, b_dev)
         moved, stop = [0], threading.Event()
-        job_bytes = 2 * TRAFFIC_BLOCKS * case.layout.block_bytes
+        job_bytes = 2 * TRAFFIC_BLOCKS * case_.layout.block_bytes
         args = (mover, torch.cuda.Stream(), stop, moved, job_bytes, a_dev, a_host, b_dev, b_host)
         lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-traffic")
         running = lane.submit(traffic, *args)
@@ -177,7 +183,7 @@ def page_sweep(arenas: Any, ceilings: ceilings_mod.Ceilings, repeats: int) -> li
         (a_dev, b_dev), (a_host, _) = (disjoint_id_sets(random.Random(kb), blocks, capacity)
                                        for _ in range(2))
         nbytes = blocks * layout.block_bytes
-        for backend in ("dma", "sm"):
+        for backend in ("dma", "auto", "sm"):
             segments = case_segments(case, arenas, capacity, True)
             mover = EngineMover(segments, backend)
             try:
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     cuda = torch.cuda.is_available()
     llama = build_cases(["llama-3.1-8b"], ["bf16"], None, None, False)[0]
+    tp8 = build_cases(["llama-3.1-70b-tp8"], ["bf16"], None, None, False)[0]  # 8 KiB pages
     record: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else "CPU only",
@@ -221,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 ceilings = ceilings_mod.measure(arenas.device, arenas.host, args.repeats)
                 record["ceilings"] = ceilings.as_dict()
-                record["gemm"] = gemm_slowdown(arenas, ceilings, llama)
+                record["gemm"] = gemm_slowdown(arenas, ceilings, llama, tp8)
                 record["pages"] = page_sweep(arenas, ceilings, args.repeats)
             finally:
                 arenas.close()
@@ -254,7 +261,7 @@ def report(record: dict, console: Console) -> None:
         console.print(t)
     if "pages" in record:
         t = Table(title=f"layer-major pages, one copy per layer per block ({PAGE_LAYERS} layers): "
-                        "SM kernel vs batched DMA, GB/s (ratio of ceiling)")
+                        "batched DMA, auto, SM kernel, GB/s (ratio of ceiling)")
         for col in ("page", "backend", "copies/job", "load", "store"):
             t.add_column(col)
         for r in record["pages"]:

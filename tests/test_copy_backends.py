@@ -156,38 +156,72 @@ def _host_copy_and_want() -> tuple[RowCopy, torch.Tensor, torch.Tensor]:
     return RowCopy(1, ((src, dst),), np.array([1, 5]), np.array([4, 0])), storage, want_storage
 
 
-def _fake_batch_runtime(calls: list[tuple], fail_at: int | None = None) -> type:
-    """A stand-in runtime whose batch call copies host memory and records its other arguments;
-    the call numbered `fail_at` (from 0) returns an error instead."""
+def _fake_driver_call(calls: list[tuple], fail_at: int | None = None) -> object:
+    """A stand-in for the driver's cuMemcpyBatchAsync: it reads the descriptor arrays at the
+    addresses it is given, copies host memory and records its other arguments; the call numbered
+    `fail_at` (from 0) returns an error instead."""
 
-    class FakeRuntime:
-        @staticmethod
-        def cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
-            calls.append((count, attrs, idxs, num_attrs, stream))
-            if len(calls) - 1 == fail_at:
-                return (1,)  # cudaErrorInvalidValue
-            for d, s, n in zip(dsts, srcs, sizes, strict=True):
-                ctypes.memmove(d, s, n)
-            return (0,)
+    def array(address: int, count: int) -> list[int]:
+        return list((ctypes.c_int64 * count).from_address(address))
 
-    return FakeRuntime
+    def call(dsts: int, srcs: int, sizes: int, count: int, attrs: object, attrs_index: object,
+             num_attrs: int, stream: int) -> int:
+        got = attrs._obj  # type: ignore[attr-defined]  # ctypes.byref's target
+        calls.append((count, (got.src_access_order, got.flags), attrs_index._obj.value,  # type: ignore[attr-defined]
+                      num_attrs, stream))
+        if len(calls) - 1 == fail_at:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        for d, s, n in zip(array(dsts, count), array(srcs, count), array(sizes, count),
+                           strict=True):
+            ctypes.memmove(d, s, n)
+        return 0
+
+    return call
 
 
 def _dma_backend(calls: list[tuple], fail_at: int | None = None) -> DmaBackend:
     from transfer.cuda_copy import DmaBackend
+    from transfer.cuda_driver import (
+        PREFER_OVERLAP_WITH_COMPUTE,
+        SRC_ORDER_STREAM,
+        BatchCopy,
+        MemcpyAttributes,
+    )
 
     backend = object.__new__(DmaBackend)
-    backend._rt, backend._attrs = _fake_batch_runtime(calls, fail_at), "attrs"
+    attrs = MemcpyAttributes(src_access_order=SRC_ORDER_STREAM, flags=PREFER_OVERLAP_WITH_COMPUTE)
+    backend._batch = BatchCopy(attrs, _fake_driver_call(calls, fail_at))
     return backend
 
 
 def test_dma_issue_passes_the_cuda13_batch_arguments_in_order() -> None:
-    """DmaBackend.issue against a stand-in runtime that copies host memory: argument order."""
+    """DmaBackend.issue against a stand-in driver call that copies host memory: argument order,
+    one attribute set (stream order, prefer the copy engines) for every copy."""
     calls: list[tuple] = []
     copy, storage, want = _host_copy_and_want()
     _dma_backend(calls).issue(copy, _FakeStream())
-    assert calls == [(2, ["attrs"], [0], 1, 0x77)]
+    assert calls == [(2, (1, 1), 0, 1, 0x77)]
     assert torch.equal(storage, want)
+
+
+def test_a_cuda12_driver_batch_call_gets_its_fail_index_before_the_stream() -> None:
+    """Drivers before CUDA 13 export only cuMemcpyBatchAsync, which takes a failIdx pointer
+    before the stream; the wrapper puts it there and keeps the CUDA 13 order for callers."""
+    from types import SimpleNamespace
+
+    from transfer.cuda_driver import driver_batch_call
+
+    seen: list[tuple] = []
+
+    def cuda12_call(*args: object) -> int:
+        seen.append(args)
+        return 0
+
+    call = driver_batch_call(SimpleNamespace(cuMemcpyBatchAsync=cuda12_call))  # type: ignore[arg-type]
+    assert call(1, 2, 3, 4, 5, 6, 7, 0x77) == 0
+    (args,) = seen
+    assert args[:7] == (1, 2, 3, 4, 5, 6, 7) and args[8] == 0x77
+    assert args[7]._obj.value == 0  # type: ignore[attr-defined]  # byref(c_size_t)
 
 
 def _many_rows_copy(rows: int) -> tuple[RowCopy, list[torch.Tensor], list[torch.Tensor]]:
@@ -224,7 +258,7 @@ def test_dma_batch_refused_part_way_raises_naming_the_copies() -> None:
     """The lane reports the job failed; the batches before the refused one were queued."""
     calls: list[tuple] = []
     copy, got, _ = _many_rows_copy(100)
-    with pytest.raises(RuntimeError, match="copies 32-95 of 200 failed"):
+    with pytest.raises(RuntimeError, match="copies 32-95 of 200 failed: CUresult 1"):
         _dma_backend(calls, fail_at=1).issue(copy, _FakeStream())
     assert [call[0] for call in calls] == [32, 64]
     # The first batch (segment 0's first 32 row copies) landed; nothing after it did.
@@ -244,8 +278,60 @@ def test_dma_loop_passes_dst_src_size_kind_stream() -> None:
         ctypes.memmove(dst, src, size)
 
     backend = object.__new__(DmaBackend)
-    backend._attrs, backend._memcpy_async = None, memcpy_async
+    backend._batch, backend._memcpy_async = None, memcpy_async
     copy, storage, want = _host_copy_and_want()
     backend.issue(copy, _FakeStream())
     assert kinds == [(4, 0x77)] * 2  # cudaMemcpyDefault
     assert torch.equal(storage, want)
+
+
+class _Recorder:
+    """A stand-in backend that records which pairs (by row width) each issued copy carried."""
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[int, ...]] = []
+
+    def issue(self, copy: RowCopy, stream: object) -> None:
+        self.issued.append(tuple(int(src.shape[1]) for src, _ in copy.pairs))
+
+
+def _auto_backend(with_sm: bool = True) -> tuple[object, _Recorder, _Recorder]:
+    from transfer.cuda_copy import AutoCudaBackend
+
+    backend = object.__new__(AutoCudaBackend)
+    backend.dma, sm = _Recorder(), _Recorder()
+    backend.sm, backend.sm_load_copies = (sm if with_sm else None), 0
+    return backend, backend.dma, sm
+
+
+def _pairs(widths: tuple[int, ...], load: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    # Device tensors stand for GPU rows: "meta" is a non-CPU device that allocates nothing.
+    host = [torch.empty(4, w, dtype=torch.uint8) for w in widths]
+    gpu = [torch.empty(4, w, dtype=torch.uint8, device="meta") for w in widths]
+    return tuple(zip(host, gpu, strict=True) if load else zip(gpu, host, strict=True))
+
+
+@pytest.mark.parametrize(("widths", "rows", "load", "want_sm", "want_dma"), [
+    # vLLM 0.32's rule: loads of pages under 28 KiB, at least 16 copies, go to the SMs.
+    ((8 << 10,) * 4, 4, True, [(8 << 10,) * 4], []),
+    ((28 << 10,) * 4, 4, True, [], [(28 << 10,) * 4]),
+    ((8 << 10,) * 3, 5, True, [], [(8 << 10,) * 3]),  # 15 copies: not worth a launch
+    ((8 << 10,) * 4, 4, False, [], [(8 << 10,) * 4]),  # stores always by DMA
+    # A job over segments of both kinds splits: small pages on the SMs, the rest by DMA.
+    ((8 << 10, 64 << 10) * 2, 8, True, [(8 << 10,) * 2], [(64 << 10,) * 2]),
+])
+def test_auto_loads_small_pages_on_the_sms_and_everything_else_by_dma(
+        widths: tuple[int, ...], rows: int, load: bool, want_sm: list, want_dma: list) -> None:
+    backend, dma, sm = _auto_backend()
+    pairs = _pairs(widths, load)
+    copy = RowCopy(3, pairs, np.arange(rows), np.arange(rows))
+    backend.issue(copy, _FakeStream())
+    assert sm.issued == want_sm and dma.issued == want_dma
+    assert backend.sm_load_copies == rows * sum(len(p) for p in want_sm)
+
+
+def test_auto_without_a_mapped_pool_loads_small_pages_by_dma() -> None:
+    backend, dma, _ = _auto_backend(with_sm=False)
+    backend.issue(RowCopy(3, _pairs((8 << 10,) * 4, True), np.arange(4), np.arange(4)),
+                  _FakeStream())
+    assert dma.issued == [(8 << 10,) * 4] and backend.sm_load_copies == 0

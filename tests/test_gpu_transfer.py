@@ -71,10 +71,25 @@ def make_backend(kind: str) -> CopyBackend:
         return backend
     if kind == "dma-loop":
         return DmaBackend("cuda", batched=False)
+    if kind == "dma-cuda12":  # the driver's pre-CUDA 13 batch symbol (it takes a failIdx)
+        import ctypes
+        from types import SimpleNamespace
+
+        from transfer.cuda_driver import BatchCopy, driver_batch_call
+
+        backend = DmaBackend("cuda")
+        cuda12 = SimpleNamespace(cuMemcpyBatchAsync=ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync)
+        backend._batch = BatchCopy(backend._batch._attrs, driver_batch_call(cuda12))
+        return backend
+    if kind == "auto":
+        from transfer.copy_backends import make_backend as factory
+
+        return factory("auto", "cuda")
     if kind == "vllm":  # the benchmark's layer-major baseline
         from kvconnector.bench.vllm_path import VllmCopyPath
 
         return VllmCopyPath("cuda")
+    assert kind == "sm", kind
     return SmCopyBackend("cuda")
 
 
@@ -132,7 +147,7 @@ class Rig:
         return self.cache.raw.cpu()
 
 
-@pytest.mark.parametrize("backend", ["dma", "dma-loop", "sm", "vllm"])
+@pytest.mark.parametrize("backend", ["auto", "dma", "dma-cuda12", "dma-loop", "sm", "vllm"])
 @pytest.mark.parametrize("order", ["BLNHC", "LBHNC", "LHBNC"])
 def test_round_trip_bit_exact(order: str, backend: str) -> None:
     r = Rig(order, backend)
@@ -163,8 +178,12 @@ def test_round_trip_bit_exact(order: str, backend: str) -> None:
         assert r.engine.wait([2], TIMEOUT)
         assert r.results()[2].ok
         assert torch.equal(r.cache_cpu(), cache_want)
-        if backend == "vllm":  # vLLM loads pages under 28 KiB (LHBNC: 8 KiB rows) on the SMs
+        # vLLM, and "auto" as vLLM does, load pages under 28 KiB (LHBNC: 8 KiB rows) on the SMs.
+        if backend == "vllm":
             assert r.engine.backend.sm_jobs == (1 if order == "LHBNC" else 0)
+        if backend == "auto":
+            small = n * len(r.segments) if order == "LHBNC" else 0
+            assert r.engine.backend.sm_load_copies == small
     finally:
         r.close()
 
@@ -239,6 +258,47 @@ def test_load_waits_for_the_store_of_its_slot_only(backend: str) -> None:
     finally:
         gate.open()
         r.close()
+
+
+def test_auto_splits_a_load_between_the_sms_and_dma_bit_exact() -> None:
+    """Segments of 8 KiB and 64 KiB rows in one job: the small ones load on the SMs, the rest by
+    DMA, every byte right; a load of fewer than 16 small copies goes by DMA alone."""
+    from transfer.copy_backends import Segment, make_backend
+
+    small, large, blocks, slots = 8 << 10, 64 << 10, 64, 48
+    pool_layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=small + large, block_size=1,
+                           dtype="uint8", order="BLNHC", form="mla")
+    pool = HostPool.create(pool_layout, num_slots=slots, pinned=True)
+    gpu = [random_bytes(blocks * w, 11 + i).cuda().view(blocks, w)
+           for i, w in enumerate((small, large))]
+    host = pool.slots
+    segments = [Segment(gpu[0], host[:, :small]), Segment(gpu[1], host[:, small:])]
+    engine = TransferEngine(segments, make_backend("auto", "cuda"))
+    try:
+        assert engine.backend.sm is not None
+        rng = np.random.default_rng(3)
+        ids, to = rng.choice(blocks, 20, replace=False), rng.choice(slots, 20, replace=False)
+        assert engine.submit_store(1, ids.tolist(), to.tolist()) and engine.wait([1], TIMEOUT)
+        want = [g.cpu() for g in gpu]
+        for g in gpu:
+            g.fill_(POISON)
+        targets = rng.choice(blocks, 20, replace=False)
+        assert engine.submit_load(2, to.tolist(), targets.tolist())
+        assert engine.wait([2], TIMEOUT)
+        assert engine.backend.sm_load_copies == 20  # the 8 KiB segment's copies only
+        for g, w in zip(gpu, want, strict=True):
+            expect = torch.full_like(w, POISON)
+            expect[targets] = w[ids]
+            assert torch.equal(g.cpu(), expect)
+        assert engine.submit_load(3, to[:10].tolist(), ids[:10].tolist())  # 10 small copies
+        assert engine.wait([3], TIMEOUT)
+        assert engine.backend.sm_load_copies == 20
+        assert all(torch.equal(g[ids[:10]].cpu(), w[ids[:10]]) for g, w in zip(gpu, want,
+                                                                              strict=True))
+        assert all(r.ok for r in engine.get_finished())
+    finally:
+        engine.close()
+        pool.close()
 
 
 def test_sm_copy_refuses_an_unpinned_pool() -> None:

@@ -221,16 +221,17 @@ BACKENDS = ("auto", "thread", "dma", "sm")
 
 
 def make_backend(kind: str = "auto", device: str | torch.device = "cpu") -> CopyBackend:
-    """The backend `kind` for `device`: "auto" is "thread" on CPU and batched "dma" on CUDA."""
+    """The backend `kind` for `device`: "auto" is "thread" on CPU and, on CUDA, batched DMA with
+    small-page loads on a few SMs (transfer.cuda_copy.AutoCudaBackend)."""
     device = torch.device(device)
     if kind not in BACKENDS:
         raise ValueError(f"unknown copy backend {kind!r}; known: {BACKENDS}")
-    if kind == "auto":
-        kind = "dma" if device.type == "cuda" else "thread"
-    if kind == "thread":
+    if kind == "thread" or (kind == "auto" and device.type != "cuda"):
         return ThreadBackend()
     if device.type != "cuda":
         raise ValueError(f"copy backend {kind!r} needs a CUDA device, got {device}")
     from transfer import cuda_copy  # lazy: cuda-bindings and cupy exist only on GPU machines
 
-    return cuda_copy.DmaBackend(device) if kind == "dma" else cuda_copy.SmCopyBackend(device)
+    backends = {"auto": cuda_copy.AutoCudaBackend, "dma": cuda_copy.DmaBackend,
+                "sm": cuda_copy.SmCopyBackend}
+    return backends[kind](device)

@@ -1,11 +1,13 @@
 """CUDA copy backends: a lane is a dedicated non-blocking stream; events order and time the jobs.
 
 Two ways to issue one job's copies onto a lane's stream:
-- `DmaBackend`: the copy engines. cudaMemcpyBatchAsync (cuda-bindings, CUDA >= 12.8 runtime API,
-  CUDA 13 signature) in a few growing batches per job, sources read in stream order; where the
+- `DmaBackend`: the copy engines. The driver's cuMemcpyBatchAsync (CUDA >= 12.8) with the
+  descriptor arrays, in a few growing batches per job, sources read in stream order; where the
   batch call is missing or refused, one cupy memcpyAsync per copy.
 - `SmCopyBackend`: the SMs. A cupy RawKernel gathers/scatters rows through mapped pinned host
-  memory; a candidate for the fallback's small pages (8-72 KB), where per-copy DMA overhead shows.
+  memory, on every SM or on a few (`sms`).
+- `AutoCudaBackend` ("auto" on CUDA): DMA, except loads of pages under 28 KiB, which 12 SMs copy,
+  as vLLM 0.32 does: per-copy DMA overhead leaves such pages at 0.1-0.3 of the PCIe ceiling.
 
 Streams are created here, not taken from torch's stream pool (which hands the same 32 streams
 round-robin to every caller, so a lane could end up queued behind someone else's work).
@@ -17,12 +19,19 @@ import logging
 import time
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segment
+from transfer.cuda_driver import (
+    PREFER_OVERLAP_WITH_COMPUTE,
+    SRC_ORDER_STREAM,
+    BatchCopy,
+    MemcpyAttributes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,21 +168,20 @@ class _CudaBackend(CopyBackend):
 
 
 class DmaBackend(_CudaBackend):
-    """Copy engines: cudaMemcpyBatchAsync in growing batches; cupy memcpyAsync per copy as fallback.
+    """Copy engines: cuMemcpyBatchAsync in growing batches; cupy memcpyAsync per copy as fallback.
 
     `batched=False` forces the per-copy loop (to measure the batch against it). `self.batched`
-    says which one runs: the batch call is probed once and dropped if the runtime refuses it.
+    says which one runs: the batch call is probed once and dropped if the driver refuses it.
     """
 
     name = "dma"
 
     def __init__(self, device: str | torch.device, batched: bool = True) -> None:
         super().__init__(device)
-        self._rt = _runtime()
-        self._attrs = None
+        self._batch: BatchCopy | None = None
         if batched:
-            self._attrs = self._probe_batch()
-        self.batched = self._attrs is not None
+            self._batch = self._probe_batch()
+        self.batched = self._batch is not None
         if not self.batched:
             import cupy
 
@@ -185,44 +193,39 @@ class DmaBackend(_CudaBackend):
         if count == 0:
             return
         handle = stream.cuda_stream
-        if self._attrs is not None:
+        if self._batch is not None:
             for part in batch_slices(count):
-                n = part.stop - part.start
-                # CUDA 13 signature: dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream.
-                result = self._rt.cudaMemcpyBatchAsync(
-                    dsts[part].tolist(), srcs[part].tolist(), sizes[part].tolist(), n,
-                    [self._attrs], [0], 1, handle)
-                _check(result[0], f"cudaMemcpyBatchAsync of copies {part.start}-{part.stop - 1} "
-                                  f"of {count}")
+                err = self._batch(dsts[part], srcs[part], sizes[part], handle)
+                if err:
+                    raise RuntimeError(f"cuMemcpyBatchAsync of copies {part.start}-"
+                                       f"{part.stop - 1} of {count} failed: CUresult {err}")
             return
         for src, dst, size in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
             self._memcpy_async(dst, src, size, _MEMCPY_DEFAULT, handle)
 
-    def _probe_batch(self) -> object | None:
-        """The batch attributes when cudaMemcpyBatchAsync works here (checked with one copy)."""
+    def _probe_batch(self) -> BatchCopy | None:
+        """The batch call when cuMemcpyBatchAsync works here (checked with one copy)."""
         try:
-            rt = self._rt
-            attrs = rt.cudaMemcpyAttributes()
             # Sources are read in stream order: a store reads what the compute stream wrote.
-            attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
             # Ask for the copy engines, not SM copies, so compute keeps its SMs.
-            attrs.flags = int(rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute)
+            batch = BatchCopy(MemcpyAttributes(src_access_order=SRC_ORDER_STREAM,
+                                               flags=PREFER_OVERLAP_WITH_COMPUTE))
             with torch.cuda.device(self.device):
                 src = torch.arange(256, dtype=torch.int32, device=self.device).view(torch.uint8)
                 dst = torch.zeros_like(src)
                 lane = _StreamLane(self)
                 lane.stream.wait_stream(torch.cuda.current_stream(self.device))
-                result = rt.cudaMemcpyBatchAsync([dst.data_ptr()], [src.data_ptr()], [src.numel()],
-                                                 1, [attrs], [0], 1, lane.stream.cuda_stream)
+                dsts, srcs, sizes = (np.array([value], dtype=np.int64) for value in
+                                     (dst.data_ptr(), src.data_ptr(), src.numel()))
+                err = batch(dsts, srcs, sizes, lane.stream.cuda_stream)
                 lane.stream.synchronize()
                 lane.close()
-            if result[0] != rt.cudaError_t.cudaSuccess or not torch.equal(src, dst):
-                raise RuntimeError(f"probe copy returned {result[0]}")
-        except Exception as exc:  # missing module, old driver, other signature
-            log.warning("cudaMemcpyBatchAsync unavailable (%s); using one memcpyAsync per copy",
-                        exc)
+            if err or not torch.equal(src, dst):
+                raise RuntimeError(f"probe copy returned CUresult {err}")
+        except Exception as exc:  # no libcuda symbol (driver before CUDA 12.8), refused call
+            log.warning("cuMemcpyBatchAsync unavailable (%s); using one memcpyAsync per copy", exc)
             return None
-        return attrs
+        return batch
 
 
 def batch_slices(count: int) -> list[slice]:
@@ -263,17 +266,23 @@ extern "C" __global__ void kv_copy_rows(const unsigned long long table_addr, con
 """
 _THREADS = 256
 _MAX_GRID = 65535
+_FEW_SMS_THREADS = 1024  # with `sms`: one full-size thread block per SM keeps PCIe reads in flight
 
 
 class SmCopyBackend(_CudaBackend):
-    """The SMs copy: one thread block per row copy, reading/writing pinned host memory mapped
-    into the GPU's address space. Needs a pinned pool mapped at its host addresses (x86 with
+    """The SMs copy, reading/writing pinned host memory mapped into the GPU's address space: one
+    thread block per row copy, or, with `sms`, that many thread blocks taking row copies in turn
+    (compute keeps the other SMs). Needs a pinned pool mapped at its host addresses (x86 with
     cudaDevAttrCanUseHostPointerForRegisteredMem)."""
 
     name = "sm"
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, sms: int | None = None) -> None:
         super().__init__(device)
+        if sms is not None and sms <= 0:
+            raise ValueError(f"sms must be positive, got {sms}")
+        self._grid, self._threads = ((_MAX_GRID, _THREADS) if sms is None
+                                     else (sms, _FEW_SMS_THREADS))
         import cupy
 
         self._cupy = cupy
@@ -311,5 +320,53 @@ class SmCopyBackend(_CudaBackend):
             dev_table = table.to(self.device, non_blocking=True)
         with self._cupy.cuda.Device(self.device.index), \
                 self._cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index):
-            self._kernel((min(count, _MAX_GRID),), (_THREADS,),
+            self._kernel((min(count, self._grid),), (self._threads,),
                          (np.uint64(dev_table.data_ptr()), np.int64(count)))
+
+
+SM_LOAD_MAX_PAGE = 28 * 1024  # vLLM 0.32's THRESHOLD_BYTES: smaller pages load on the SMs
+SM_LOAD_MIN_COPIES = 16  # vLLM's MIN_N: fewer copies are not worth a kernel launch
+SM_LOAD_SMS = 12  # vLLM's Triton load kernel uses 12 SMs too
+
+
+class AutoCudaBackend(_CudaBackend):
+    """DMA, except loads of pages under 28 KiB: 12 SMs copy those (see module doc).
+
+    Loads only: they are on a request's critical path, while stores run behind compute on every
+    step. On the H200, 8 KiB pages load at 0.68 of the ceiling on 12 SMs against 0.24 by DMA, and
+    continuous loads slow a bf16 GEMM by ~2% (docs/benchmarks.md). Where the pool is not mapped
+    for the SMs (not pinned, or the GPU cannot use host pointers) everything goes by DMA.
+    """
+
+    name = "dma+sm"
+
+    def __init__(self, device: str | torch.device) -> None:
+        super().__init__(device)
+        self.dma = DmaBackend(self.device)
+        self.sm: SmCopyBackend | None = None
+        self.sm_load_copies = 0  # row copies the SMs have loaded
+
+    def check(self, segments: Sequence[Segment]) -> None:
+        self.dma.check(segments)
+        if not any(seg.nbytes < SM_LOAD_MAX_PAGE for seg in segments):
+            return
+        sm = SmCopyBackend(self.device, sms=SM_LOAD_SMS)
+        try:
+            sm.check(segments)
+        except ValueError as exc:
+            log.info("small-page loads go by DMA: %s", exc)
+            return
+        self.sm = sm
+
+    def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
+        if self.sm is not None and copy.pairs and copy.pairs[0][0].device.type == "cpu":
+            small = tuple(p for p in copy.pairs if p[0].shape[1] < SM_LOAD_MAX_PAGE)
+            copies = len(small) * len(copy.src_rows)
+            if copies >= SM_LOAD_MIN_COPIES:
+                self.sm.issue(replace(copy, pairs=small), stream)
+                self.sm_load_copies += copies
+                rest = tuple(p for p in copy.pairs if p[0].shape[1] >= SM_LOAD_MAX_PAGE)
+                if rest:
+                    self.dma.issue(replace(copy, pairs=rest), stream)
+                return
+        self.dma.issue(copy, stream)
