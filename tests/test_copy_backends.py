@@ -313,9 +313,11 @@ def _pairs(widths: tuple[int, ...], load: bool) -> tuple[tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize(("widths", "rows", "load", "want_sm", "want_dma"), [
     # vLLM 0.32's rule: loads of pages under 28 KiB, at least 16 copies, go to the SMs.
-    ((8 << 10,) * 4, 4, True, [(8 << 10,) * 4], []),
+    ((8 << 10,) * 4, 5, True, [(8 << 10,) * 4], []),
     ((28 << 10,) * 4, 4, True, [], [(28 << 10,) * 4]),
     ((8 << 10,) * 3, 5, True, [], [(8 << 10,) * 3]),  # 15 copies: not worth a launch
+    ((8 << 10,) * 4, 4, True, [(8 << 10,) * 4], []),  # 16 copies
+    (((8 << 10) + 8,) * 4, 4, True, [], [((8 << 10) + 8,) * 4]),  # not 16-byte wide: DMA
     ((8 << 10,) * 4, 4, False, [], [(8 << 10,) * 4]),  # stores always by DMA
     # A job over segments of both kinds splits: small pages on the SMs, the rest by DMA.
     ((8 << 10, 64 << 10) * 2, 8, True, [(8 << 10,) * 2], [(64 << 10,) * 2]),
@@ -328,6 +330,32 @@ def test_auto_loads_small_pages_on_the_sms_and_everything_else_by_dma(
     backend.issue(copy, _FakeStream())
     assert sm.issued == want_sm and dma.issued == want_dma
     assert backend.sm_load_copies == rows * sum(len(p) for p in want_sm)
+
+
+def test_auto_loads_rows_at_unaligned_addresses_or_strides_by_dma() -> None:
+    """The kernel's wide path needs 16-byte aligned rows; anything else goes by DMA."""
+    backend, dma, sm = _auto_backend()
+    base = torch.empty(4 * (8 << 10) + 64, dtype=torch.uint8)
+    host = [torch.as_strided(base, (4, 8 << 10), (8 << 10, 1), 8),  # address off by 8
+            torch.as_strided(base, (2, 8 << 10), ((8 << 10) + 8, 1), 0)]  # stride off by 8
+    gpu = torch.empty(4, 8 << 10, dtype=torch.uint8, device="meta")
+    for h in host:
+        backend.issue(RowCopy(3, ((h, gpu[: len(h)]),) * 8, np.arange(2), np.arange(2)),
+                      _FakeStream())
+    assert sm.issued == [] and len(dma.issued) == 2
+
+
+def test_batch_copy_refuses_arrays_the_driver_cannot_read_in_place() -> None:
+    from transfer.cuda_driver import BatchCopy, MemcpyAttributes
+
+    calls: list[tuple] = []
+    batch = BatchCopy(MemcpyAttributes(), _fake_driver_call(calls))
+    good = np.zeros(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="contiguous int64, got int32"):
+        batch(good, good, good.astype(np.int32), 0x77)
+    with pytest.raises(ValueError, match=r"contiguous: False"):
+        batch(np.zeros(8, dtype=np.int64)[::2], good, good, 0x77)
+    assert calls == []
 
 
 def test_auto_without_a_mapped_pool_loads_small_pages_by_dma() -> None:

@@ -301,6 +301,74 @@ def test_auto_splits_a_load_between_the_sms_and_dma_bit_exact() -> None:
         pool.close()
 
 
+def _small_page_rig(backend: CopyBackend, width: int = 8 << 10, blocks: int = 64,
+                    slots: int = 48) -> tuple[TransferEngine, torch.Tensor, torch.Tensor]:
+    """One segment of `width`-byte rows: GPU rows of random bytes, pinned host rows poisoned."""
+    from transfer.copy_backends import Segment
+
+    gpu = random_bytes(blocks * width, 21).cuda().view(blocks, width)
+    host = torch.empty(slots, width, dtype=torch.uint8, pin_memory=True).fill_(0xA5)
+    return TransferEngine([Segment(gpu, host)], backend), gpu, host
+
+
+def test_auto_sm_load_waits_for_the_dma_store_of_its_slot() -> None:
+    """A load on the SMs ("auto", 8 KiB rows) of a slot a DMA store is still writing waits for
+    it, on another lane; a second store to the slot and a second load see the new bytes."""
+    from transfer.copy_backends import make_backend
+
+    engine, gpu, host = _small_page_rig(make_backend("auto", "cuda"))
+    gate, compute = ComputeGate(), torch.cuda.Stream()
+    try:
+        assert engine.backend.sm is not None
+        for job in (100, 101):  # warm-up off the gate: lanes and descriptor tables allocate
+            assert engine.submit_load(job, list(range(16)), list(range(48, 64)))
+        assert engine.wait(None, TIMEOUT) and all(r.ok for r in engine.get_finished())
+        src, slots, dst = list(range(16)), list(range(16, 32)), list(range(32, 48))
+        with torch.cuda.stream(compute):
+            gate.close_on(compute)
+            # Held: runs only after the gate opens. A slice, not a list: indexing with a list
+            # copies the index to the GPU on this (held) stream and would wait for the gate.
+            gpu[:16].bitwise_not_()
+            assert engine.submit_store(1, src, slots)
+        assert engine.submit_load(2, slots, dst)  # 16 copies of 8 KiB: the SMs
+        assert engine.wait([1, 2], timeout=0.5) is False
+        gate.open()
+        assert engine.wait([1, 2], TIMEOUT) and all(r.ok for r in engine.get_finished())
+        assert torch.equal(gpu[dst].cpu(), gpu[src].cpu())
+        gpu[:16].bitwise_not_()
+        assert engine.submit_store(3, src, slots) and engine.submit_load(4, slots, dst)
+        assert engine.wait([3, 4], TIMEOUT) and all(r.ok for r in engine.get_finished())
+        assert torch.equal(gpu[dst].cpu(), gpu[src].cpu())
+        assert torch.equal(host[slots], gpu[src].cpu())
+        assert engine.backend.sm_load_copies == 16 * 4
+    finally:
+        gate.open()
+        engine.close()
+
+
+def test_sm_copy_on_few_sms_copies_unaligned_rows_bit_exact() -> None:
+    """Rows of 8200 bytes (not 16-byte multiples) take the kernel's byte loop, 4 teams a block."""
+    from transfer.cuda_copy import SmCopyBackend
+
+    engine, gpu, host = _small_page_rig(SmCopyBackend("cuda", sms=12), width=8200)
+    try:
+        rng = np.random.default_rng(5)
+        ids, slots = rng.choice(64, 40, replace=False), rng.choice(48, 40, replace=False)
+        want_host = host.clone()
+        want_host[slots] = gpu[ids].cpu()
+        assert engine.submit_store(1, ids.tolist(), slots.tolist()) and engine.wait([1], TIMEOUT)
+        assert torch.equal(host, want_host)
+        back = ids[::-1].copy()
+        want_gpu = torch.full_like(gpu, POISON).cpu()
+        want_gpu[back] = host[slots]
+        gpu.fill_(POISON)
+        assert engine.submit_load(2, slots.tolist(), back.tolist())
+        assert engine.wait([2], TIMEOUT) and all(r.ok for r in engine.get_finished())
+        assert torch.equal(gpu.cpu(), want_gpu)
+    finally:
+        engine.close()
+
+
 def test_sm_copy_refuses_an_unpinned_pool() -> None:
     from transfer.cuda_copy import SmCopyBackend
 

@@ -7,7 +7,8 @@ Two ways to issue one job's copies onto a lane's stream:
 - `SmCopyBackend`: the SMs. A cupy RawKernel gathers/scatters rows through mapped pinned host
   memory, on every SM or on a few (`sms`).
 - `AutoCudaBackend` ("auto" on CUDA): DMA, except loads of pages under 28 KiB, which 12 SMs copy,
-  as vLLM 0.32 does: per-copy DMA overhead leaves such pages at 0.1-0.3 of the PCIe ceiling.
+  as vLLM 0.32 does: per-copy DMA overhead leaves such pages at 0.07-0.39 of the PCIe ceiling
+  (4-16 KiB, H200).
 
 Streams are created here, not taken from torch's stream pool (which hands the same 32 streams
 round-robin to every caller, so a lane could end up queued behind someone else's work).
@@ -214,12 +215,14 @@ class DmaBackend(_CudaBackend):
                 src = torch.arange(256, dtype=torch.int32, device=self.device).view(torch.uint8)
                 dst = torch.zeros_like(src)
                 lane = _StreamLane(self)
-                lane.stream.wait_stream(torch.cuda.current_stream(self.device))
-                dsts, srcs, sizes = (np.array([value], dtype=np.int64) for value in
-                                     (dst.data_ptr(), src.data_ptr(), src.numel()))
-                err = batch(dsts, srcs, sizes, lane.stream.cuda_stream)
-                lane.stream.synchronize()
-                lane.close()
+                try:
+                    lane.stream.wait_stream(torch.cuda.current_stream(self.device))
+                    dsts, srcs, sizes = (np.array([value], dtype=np.int64) for value in
+                                         (dst.data_ptr(), src.data_ptr(), src.numel()))
+                    err = batch(dsts, srcs, sizes, lane.stream.cuda_stream)
+                    lane.stream.synchronize()
+                finally:
+                    lane.close()
             if err or not torch.equal(src, dst):
                 raise RuntimeError(f"probe copy returned CUresult {err}")
         except Exception as exc:  # no libcuda symbol (driver before CUDA 12.8), refused call
@@ -239,17 +242,20 @@ def batch_slices(count: int) -> list[slice]:
 
 
 _KERNEL = r"""
+#define TEAM 256
 extern "C" __global__ void kv_copy_rows(const unsigned long long table_addr, const long long count)
 {
     // table: count source addresses, then count destination addresses, then count sizes.
+    // A team of TEAM threads copies one row at a time; a block is blockDim.x / TEAM teams.
     const unsigned long long* table = (const unsigned long long*)table_addr;
-    for (long long i = blockIdx.x; i < count; i += gridDim.x) {
+    const long long teams = blockDim.x / TEAM, lane = threadIdx.x % TEAM;
+    for (long long i = blockIdx.x * teams + threadIdx.x / TEAM; i < count; i += gridDim.x * teams) {
         const unsigned long long src = table[i], dst = table[count + i], n = table[2 * count + i];
         if (((src | dst | n) & 15ULL) == 0) {
             const uint4* s = (const uint4*)src;
             uint4* d = (uint4*)dst;
-            const unsigned long long words = n >> 4, step = blockDim.x;
-            unsigned long long j = threadIdx.x;
+            const unsigned long long words = n >> 4, step = TEAM;
+            unsigned long long j = lane;
             // Four loads in flight per thread before the stores: PCIe reads are latency-bound.
             for (; j + 3 * step < words; j += 4 * step) {
                 const uint4 a = s[j], b = s[j + step], c = s[j + 2 * step], e = s[j + 3 * step];
@@ -259,14 +265,16 @@ extern "C" __global__ void kv_copy_rows(const unsigned long long table_addr, con
         } else {
             const unsigned char* s = (const unsigned char*)src;
             unsigned char* d = (unsigned char*)dst;
-            for (unsigned long long j = threadIdx.x; j < n; j += blockDim.x) d[j] = s[j];
+            for (unsigned long long j = lane; j < n; j += TEAM) d[j] = s[j];
         }
     }
 }
 """
-_THREADS = 256
+_TEAM = 256  # the kernel's TEAM: threads per row copy
 _MAX_GRID = 65535
-_FEW_SMS_THREADS = 1024  # with `sms`: one full-size thread block per SM keeps PCIe reads in flight
+# With `sms`: 4 teams per block, so 4 rows per SM are in flight (a row under 28 KiB is at most
+# 1792 16-byte words: one team of 256 threads already covers it in 7 steps).
+_FEW_SMS_THREADS = 4 * _TEAM
 
 
 class SmCopyBackend(_CudaBackend):
@@ -281,7 +289,7 @@ class SmCopyBackend(_CudaBackend):
         super().__init__(device)
         if sms is not None and sms <= 0:
             raise ValueError(f"sms must be positive, got {sms}")
-        self._grid, self._threads = ((_MAX_GRID, _THREADS) if sms is None
+        self._grid, self._threads = ((_MAX_GRID, _TEAM) if sms is None
                                      else (sms, _FEW_SMS_THREADS))
         import cupy
 
@@ -307,6 +315,9 @@ class SmCopyBackend(_CudaBackend):
                     raise ValueError(f"segment {i} host row {row} at {ptr:#x} is not pinned memory "
                                      f"the GPU reads at its own address ({err}); the SM copy "
                                      f"needs a pinned pool")
+        # Compiled now (NVRTC), not on the first job: a failure shows here, not in a step.
+        with self._cupy.cuda.Device(self.device.index):
+            self._kernel.compile()
 
     def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
         srcs, dsts, sizes = copy.descriptors()
@@ -320,7 +331,8 @@ class SmCopyBackend(_CudaBackend):
             dev_table = table.to(self.device, non_blocking=True)
         with self._cupy.cuda.Device(self.device.index), \
                 self._cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index):
-            self._kernel((min(count, self._grid),), (self._threads,),
+            teams = self._threads // _TEAM
+            self._kernel((min(-(-count // teams), self._grid),), (self._threads,),
                          (np.uint64(dev_table.data_ptr()), np.int64(count)))
 
 
@@ -333,9 +345,9 @@ class AutoCudaBackend(_CudaBackend):
     """DMA, except loads of pages under 28 KiB: 12 SMs copy those (see module doc).
 
     Loads only: they are on a request's critical path, while stores run behind compute on every
-    step. On the H200, 8 KiB pages load at 0.68 of the ceiling on 12 SMs against 0.24 by DMA, and
-    continuous loads slow a bf16 GEMM by ~2% (docs/benchmarks.md). Where the pool is not mapped
-    for the SMs (not pinned, or the GPU cannot use host pointers) everything goes by DMA.
+    step. Rows must be 16-byte aligned (address, stride, width) for the kernel's wide path; others
+    go by DMA. Where the SM copy cannot run (pool not pinned or not mapped at its host addresses,
+    no cupy, the kernel does not compile) everything goes by DMA. Figures: docs/benchmarks.md.
     """
 
     name = "dma+sm"
@@ -350,23 +362,31 @@ class AutoCudaBackend(_CudaBackend):
         self.dma.check(segments)
         if not any(seg.nbytes < SM_LOAD_MAX_PAGE for seg in segments):
             return
-        sm = SmCopyBackend(self.device, sms=SM_LOAD_SMS)
         try:
+            sm = SmCopyBackend(self.device, sms=SM_LOAD_SMS)
             sm.check(segments)
-        except ValueError as exc:
-            log.info("small-page loads go by DMA: %s", exc)
+        except Exception as exc:  # no cupy, pool not mapped, NVRTC failure
+            log.warning("loads of pages under %d KiB go by DMA, not on the SMs: %s",
+                        SM_LOAD_MAX_PAGE >> 10, exc)
             return
         self.sm = sm
 
     def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
         if self.sm is not None and copy.pairs and copy.pairs[0][0].device.type == "cpu":
-            small = tuple(p for p in copy.pairs if p[0].shape[1] < SM_LOAD_MAX_PAGE)
+            small = tuple(p for p in copy.pairs if _sm_loadable(*p))
             copies = len(small) * len(copy.src_rows)
             if copies >= SM_LOAD_MIN_COPIES:
                 self.sm.issue(replace(copy, pairs=small), stream)
                 self.sm_load_copies += copies
-                rest = tuple(p for p in copy.pairs if p[0].shape[1] >= SM_LOAD_MAX_PAGE)
+                rest = tuple(p for p in copy.pairs if not _sm_loadable(*p))
                 if rest:
                     self.dma.issue(replace(copy, pairs=rest), stream)
                 return
         self.dma.issue(copy, stream)
+
+
+def _sm_loadable(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Rows under SM_LOAD_MAX_PAGE that the kernel copies 16 bytes at a time."""
+    width = int(src.shape[1])
+    return width < SM_LOAD_MAX_PAGE and not (
+        (width | src.data_ptr() | dst.data_ptr() | src.stride(0) | dst.stride(0)) & 15)

@@ -38,8 +38,8 @@ def driver_batch_call(driver: ctypes.CDLL) -> Callable[..., int]:
         call = driver.cuMemcpyBatchAsync
         call.argtypes = [ptr, ptr, ptr, count, ptr, ptr, count, ptr, ptr]
         call.restype = ctypes.c_int
-        fail_index = ctypes.c_size_t(0)
-        return lambda *args: call(*args[:7], ctypes.byref(fail_index), args[7])
+        # failIdx, per call (lanes issue from several threads); nothing reads it.
+        return lambda *args: call(*args[:7], ctypes.byref(ctypes.c_size_t(0)), args[7])
 
 
 class BatchCopy:
@@ -53,5 +53,9 @@ class BatchCopy:
     def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> int:
         """Queue copy i (`sizes[i]` bytes, `srcs[i]` -> `dsts[i]`) on `stream` for every i; the
         arrays are contiguous int64. Returns the CUresult (0: queued)."""
+        for array in (dsts, srcs, sizes):
+            if array.dtype != np.int64 or not array.flags.c_contiguous:
+                raise ValueError(f"descriptor arrays must be contiguous int64, got {array.dtype} "
+                                 f"(contiguous: {array.flags.c_contiguous})")
         return self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
                           ctypes.byref(self._attrs), ctypes.byref(self._attrs_index), 1, stream)

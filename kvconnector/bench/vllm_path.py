@@ -5,9 +5,9 @@ CUDA. vLLM 0.32 (vllm/v1/kv_offload/cpu/gpu_worker.py) copies a job's pages like
   in stream order;
 - CPU -> GPU: the same call with sources read in any order, except where every page is under
   28 KiB and a multiple of 8 bytes and a job has at least 16 copies: then a Triton kernel on 12
-  SMs copies them. Our SM copy kernel on 12 SMs (transfer.cuda_copy.SmCopyBackend) stands in for
-  it; it is the faster of the two (8 KiB pages on the H200: 38 against 33 GB/s for vLLM's; our
-  kernel on every SM, the stand-in until the eleventh session: 39-44).
+  SMs copies them. Our SM copy kernel on 12 SMs (transfer.cuda_copy.SmCopyBackend, as the
+  connector's "auto" backend runs it) stands in for it; it is the faster of the two (8 KiB pages
+  on the H200: 40-43 GB/s against 33 GB/s measured once for vLLM's).
 
 Imported on CUDA machines only (libcuda, cupy).
 """
