@@ -1,6 +1,6 @@
 """CUDA copy backends: a lane is a dedicated non-blocking stream; events order and time the jobs.
 
-Two ways to issue one job's copies onto a lane's stream:
+Three ways to issue one job's copies onto a lane's stream:
 - `DmaBackend`: the copy engines. The driver's cuMemcpyBatchAsync (CUDA >= 12.8) with the
   descriptor arrays, in a few growing batches per job, sources read in stream order; where the
   batch call is missing or refused, one cupy memcpyAsync per copy.
