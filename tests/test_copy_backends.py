@@ -295,12 +295,18 @@ class _Recorder:
         self.issued.append(tuple(int(src.shape[1]) for src, _ in copy.pairs))
 
 
-def _auto_backend(with_sm: bool = True) -> tuple[object, _Recorder, _Recorder]:
-    from transfer.cuda_copy import AutoCudaBackend
+def _auto_backend(pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+                  with_sm: bool = True) -> tuple[object, _Recorder, _Recorder]:
+    """An AutoCudaBackend checked against the segments of `pairs` (load or store pairs), with
+    recorders for its DMA and SM backends."""
+    from transfer.cuda_copy import AutoCudaBackend, sm_load_rows
 
     backend = object.__new__(AutoCudaBackend)
     backend.dma, sm = _Recorder(), _Recorder()
     backend.sm, backend.sm_load_copies = (sm if with_sm else None), 0
+    segments = [Segment(gpu=b, host=a) if a.device.type == "cpu" else Segment(gpu=a, host=b)
+                for a, b in pairs]
+    backend._sm_rows = sm_load_rows(segments) if with_sm else frozenset()
     return backend, backend.dma, sm
 
 
@@ -324,8 +330,8 @@ def _pairs(widths: tuple[int, ...], load: bool) -> tuple[tuple[torch.Tensor, tor
 ])
 def test_auto_loads_small_pages_on_the_sms_and_everything_else_by_dma(
         widths: tuple[int, ...], rows: int, load: bool, want_sm: list, want_dma: list) -> None:
-    backend, dma, sm = _auto_backend()
     pairs = _pairs(widths, load)
+    backend, dma, sm = _auto_backend(pairs)
     copy = RowCopy(3, pairs, np.arange(rows), np.arange(rows))
     backend.issue(copy, _FakeStream())
     assert sm.issued == want_sm and dma.issued == want_dma
@@ -334,15 +340,17 @@ def test_auto_loads_small_pages_on_the_sms_and_everything_else_by_dma(
 
 def test_auto_loads_rows_at_unaligned_addresses_or_strides_by_dma() -> None:
     """The kernel's wide path needs 16-byte aligned rows; anything else goes by DMA."""
-    backend, dma, sm = _auto_backend()
     base = torch.empty(4 * (8 << 10) + 64, dtype=torch.uint8)
     host = [torch.as_strided(base, (4, 8 << 10), (8 << 10, 1), 8),  # address off by 8
             torch.as_strided(base, (2, 8 << 10), ((8 << 10) + 8, 1), 0)]  # stride off by 8
     gpu = torch.empty(4, 8 << 10, dtype=torch.uint8, device="meta")
+    issued = []
     for h in host:
-        backend.issue(RowCopy(3, ((h, gpu[: len(h)]),) * 8, np.arange(2), np.arange(2)),
-                      _FakeStream())
-    assert sm.issued == [] and len(dma.issued) == 2
+        pairs = ((h, gpu[: len(h)]),) * 8
+        backend, dma, sm = _auto_backend(pairs)
+        backend.issue(RowCopy(3, pairs, np.arange(2), np.arange(2)), _FakeStream())
+        issued += [sm.issued, len(dma.issued)]
+    assert issued == [[], 1, [], 1]
 
 
 def test_batch_copy_refuses_arrays_the_driver_cannot_read_in_place() -> None:
@@ -359,7 +367,7 @@ def test_batch_copy_refuses_arrays_the_driver_cannot_read_in_place() -> None:
 
 
 def test_auto_without_a_mapped_pool_loads_small_pages_by_dma() -> None:
-    backend, dma, _ = _auto_backend(with_sm=False)
-    backend.issue(RowCopy(3, _pairs((8 << 10,) * 4, True), np.arange(4), np.arange(4)),
-                  _FakeStream())
+    pairs = _pairs((8 << 10,) * 4, True)
+    backend, dma, _ = _auto_backend(pairs, with_sm=False)
+    backend.issue(RowCopy(3, pairs, np.arange(4), np.arange(4)), _FakeStream())
     assert dma.issued == [(8 << 10,) * 4] and backend.sm_load_copies == 0

@@ -52,6 +52,11 @@ class RowCopy:
     def nbytes(self) -> int:
         return len(self.src_rows) * sum(int(src.shape[1]) for src, _ in self.pairs)
 
+    @property
+    def is_load(self) -> bool:
+        """Host rows -> GPU rows (a store copies GPU rows -> host rows)."""
+        return self.pairs[0][0].device.type == "cpu"
+
     def descriptors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src addresses, dst addresses, sizes), one entry per row per pair, as int64 arrays."""
         n = len(self.src_rows)

@@ -356,11 +356,13 @@ class AutoCudaBackend(_CudaBackend):
         super().__init__(device)
         self.dma = DmaBackend(self.device)
         self.sm: SmCopyBackend | None = None
+        self._sm_rows: frozenset[int] = frozenset()  # id() of the host rows the SMs load
         self.sm_load_copies = 0  # row copies the SMs have loaded
 
     def check(self, segments: Sequence[Segment]) -> None:
         self.dma.check(segments)
-        if not any(seg.nbytes < SM_LOAD_MAX_PAGE for seg in segments):
+        rows = sm_load_rows(segments)
+        if not rows:
             return
         try:
             sm = SmCopyBackend(self.device, sms=SM_LOAD_SMS)
@@ -369,24 +371,30 @@ class AutoCudaBackend(_CudaBackend):
             log.warning("loads of pages under %d KiB go by DMA, not on the SMs: %s",
                         SM_LOAD_MAX_PAGE >> 10, exc)
             return
-        self.sm = sm
+        self.sm, self._sm_rows = sm, rows
 
     def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
-        if self.sm is not None and copy.pairs and copy.pairs[0][0].device.type == "cpu":
-            small = tuple(p for p in copy.pairs if _sm_loadable(*p))
+        if self.sm is not None and copy.is_load:
+            small: list[tuple[torch.Tensor, torch.Tensor]] = []
+            rest: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for pair in copy.pairs:  # the engine's pairs hold the checked segments' rows
+                (small if id(pair[0]) in self._sm_rows else rest).append(pair)
             copies = len(small) * len(copy.src_rows)
             if copies >= SM_LOAD_MIN_COPIES:
-                self.sm.issue(replace(copy, pairs=small), stream)
+                self.sm.issue(replace(copy, pairs=tuple(small)), stream)
                 self.sm_load_copies += copies
-                rest = tuple(p for p in copy.pairs if not _sm_loadable(*p))
                 if rest:
-                    self.dma.issue(replace(copy, pairs=rest), stream)
+                    self.dma.issue(replace(copy, pairs=tuple(rest)), stream)
                 return
         self.dma.issue(copy, stream)
 
 
-def _sm_loadable(src: torch.Tensor, dst: torch.Tensor) -> bool:
-    """Rows under SM_LOAD_MAX_PAGE that the kernel copies 16 bytes at a time."""
-    width = int(src.shape[1])
-    return width < SM_LOAD_MAX_PAGE and not (
-        (width | src.data_ptr() | dst.data_ptr() | src.stride(0) | dst.stride(0)) & 15)
+def sm_load_rows(segments: Sequence[Segment]) -> frozenset[int]:
+    """id() of each segment's host rows whose loads the SMs take: rows under SM_LOAD_MAX_PAGE,
+    16-byte aligned in address, stride and width (the kernel's wide path). Decided once, at
+    check: a segment's rows never change."""
+    return frozenset(
+        id(seg.host) for seg in segments
+        if seg.nbytes < SM_LOAD_MAX_PAGE and not (
+            (seg.nbytes | seg.host.data_ptr() | seg.gpu.data_ptr() | seg.host.stride(0)
+             | seg.gpu.stride(0)) & 15))

@@ -50,10 +50,10 @@ class VllmCopyPath(_CudaBackend):
             self._sm.check(segments)
 
     def issue(self, copy: RowCopy, stream: torch.cuda.ExternalStream) -> None:
-        load = copy.pairs[0][0].device.type == "cpu"
         count = len(copy.src_rows) * len(copy.pairs)
         if count == 0:
             return
+        load = copy.is_load
         if load and self._sm is not None and count >= SM_LOAD_MIN_COPIES:
             self.sm_jobs += 1
             self._sm.issue(copy, stream)
