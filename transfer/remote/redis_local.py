@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 import weakref
@@ -34,26 +31,11 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
 from transfer.remote import redis_certs
+from transfer.remote.redis_nodes import HOST, NodeProcesses, free_ports, node_config
 
-HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0
 CONVERGE_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (held open together so none is handed out twice)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _cluster_info(client: redis.Redis) -> dict[str, str]:
@@ -74,26 +56,6 @@ def _slot_ranges(masters: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(masters)]
 
 
-class _Processes:
-    """The state the exit-time finalizer needs (it must not hold the cluster object itself)."""
-
-    def __init__(self, count: int, root: Path) -> None:
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
-        self.root = root
-
-    def stop(self) -> None:
-        running = [p for p in self.procs if p is not None and p.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT_S)
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 class LocalRedisCluster:
     """`masters` redis-server processes forming one Redis Cluster on 127.0.0.1 (a context manager).
 
@@ -111,8 +73,8 @@ class LocalRedisCluster:
             raise ValueError(f"masters must be >= 1, got {masters}")
         if replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {replicas}")
-        self._server = shutil.which("redis-server")
-        if self._server is None:
+        server = shutil.which("redis-server")
+        if server is None:
             raise RuntimeError("redis-server is not on PATH: install Debian's redis-server "
                                "(apt-get install redis-server redis-tools)")
         self._user = user
@@ -123,8 +85,8 @@ class LocalRedisCluster:
         self._ranges = _slot_ranges(masters)
         self._replicas = replicas
         self._root = Path(tempfile.mkdtemp(prefix="kvc-redis-"))  # 0700
-        self._state = _Processes(masters * (1 + replicas), self._root)
-        self._finalizer = weakref.finalize(self, self._state.stop)  # also runs at exit
+        self._nodes = NodeProcesses(server, masters * (1 + replicas), self._root)
+        self._finalizer = weakref.finalize(self, self._nodes.stop)  # also runs at exit
         self._ports: list[int] = []
         self._bus_ports: list[int] = []
         self._password_file = self._root / "password"
@@ -164,7 +126,7 @@ class LocalRedisCluster:
     @property
     def pids(self) -> list[int]:
         """PIDs of the live redis-server processes (index order, killed ones left out)."""
-        return [self._state.procs[i].pid for i in self._live()]
+        return [self._nodes.pid(i) for i in self._nodes.live()]
 
     @property
     def ca_file(self) -> Path | None:
@@ -218,7 +180,7 @@ class LocalRedisCluster:
         ports = {self._ports[i]: i for i in self.replica_indices(master)}
         deadline = time.monotonic() + CONVERGE_TIMEOUT_S
         while True:
-            live = self._live()
+            live = self._nodes.live()
             try:
                 with self.node_client(live[0], socket_timeout=1.0) as client:
                     owner = next(nodes[0] for first, last, nodes in _slot_map(client)
@@ -234,17 +196,13 @@ class LocalRedisCluster:
 
     def kill(self, index: int) -> None:
         """SIGKILL one node and wait for the process to be gone (no-op if already down)."""
-        proc = self._state.procs[index]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(STOP_TIMEOUT_S)
+        self._nodes.kill(index)
 
     def restart(self, index: int) -> None:
         """Start a killed node on its ports and nodes.conf, empty (no persistence): a master
         owns its slots again, or, where its replica took them over, rejoins as that replica's
         replica. Wait until the whole cluster is ok."""
-        proc = self._state.procs[index]
-        if proc is not None and proc.poll() is None:
+        if self._nodes.running(index):
             raise RuntimeError(f"node {index} is still running: kill() it first")
         self._spawn(index)
         self._wait_ready(index)
@@ -255,11 +213,7 @@ class LocalRedisCluster:
         self._finalizer()
 
     def log_tail(self, index: int, lines: int = 30) -> str:
-        log = self._node_dir(index) / "redis.log"
-        try:
-            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return self._nodes.log_tail(index, lines)
 
     def __enter__(self) -> LocalRedisCluster:
         return self
@@ -277,12 +231,15 @@ class LocalRedisCluster:
             options.update(ssl=True, ssl_ca_certs=str(self._certs[0]))
         return options
 
-    def _live(self) -> list[int]:
-        return [i for i, p in enumerate(self._state.procs) if p is not None and p.poll() is None]
-
     def _cluster_ok(self, index: int) -> bool:
         with self.node_client(index, socket_timeout=1.0) as client:
             return _cluster_info(client).get("cluster_state") == "ok"
+
+    def _spawn(self, index: int) -> None:
+        self._nodes.spawn(index, node_config(
+            self._ports[index], self._bus_ports[index], self._nodes.node_dir(index),
+            node_timeout_ms=self._node_timeout_ms, maxmemory=self._maxmemory, user=self._user,
+            password=self._password, certs=self._certs))
 
     def _index_for_slot(self, slot: int) -> int:
         for index, (low, high) in enumerate(self._ranges):
@@ -290,54 +247,10 @@ class LocalRedisCluster:
                 return index
         raise AssertionError(f"slot {slot} outside 0..{REDIS_CLUSTER_HASH_SLOTS - 1}")
 
-    def _node_dir(self, index: int) -> Path:
-        return self._root / f"node{index}"
-
-    def _config(self, index: int) -> str:
-        port, bus = self._ports[index], self._bus_ports[index]
-        lines = [
-            f"bind {HOST}", "protected-mode yes", "daemonize no", "loglevel notice",
-            f"dir {self._node_dir(index)}",
-            "cluster-enabled yes", "cluster-config-file nodes.conf",
-            f"cluster-port {bus}",  # explicit bus port: port+10000 may be taken or > 65535
-            f"cluster-node-timeout {self._node_timeout_ms}",
-            # survivors keep serving their slots while a master is down (our requirement)
-            "cluster-require-full-coverage no", "cluster-allow-reads-when-down no",
-            'save ""', "appendonly no",
-            f"maxmemory {self._maxmemory or 0}", "maxmemory-policy allkeys-lru",
-            "user default off",
-            f"user {self._user} on >{self._password} ~* &* +@all",
-            # a replica syncs from its master as the same ACL user
-            f"masteruser {self._user}", f"masterauth {self._password}",
-            # first sync at once, not after 5 s; a replica is listed in CLUSTER SLOTS once its
-            # offset moves, which the master's pings (every 10 s by default) make happen
-            "repl-diskless-sync-delay 0", "repl-ping-replica-period 1",
-        ]
-        if self._certs:
-            ca, cert, key = self._certs
-            lines += ["port 0", f"tls-port {port}", f"tls-cert-file {cert}",
-                      f"tls-key-file {key}", f"tls-ca-cert-file {ca}", "tls-cluster yes",
-                      "tls-replication yes", "tls-auth-clients no"]
-        else:
-            lines.append(f"port {port}")
-        return "\n".join(lines) + "\n"
-
-    def _spawn(self, index: int) -> None:
-        node_dir = self._node_dir(index)
-        node_dir.mkdir(mode=0o700, exist_ok=True)
-        config = node_dir / "redis.conf"
-        config.touch(mode=0o600)  # holds the password
-        config.write_text(self._config(index))
-        with (node_dir / "redis.log").open("ab") as log:
-            # only the config path on the command line: the password stays in the 0600 file
-            self._state.procs[index] = subprocess.Popen(
-                [self._server, str(config)], cwd=node_dir, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
-
     def _start_all(self) -> None:
-        count = len(self._state.procs)
+        count = len(self._nodes)
         for attempt in range(3):
-            ports = _free_ports(2 * count)
+            ports = free_ports(2 * count)
             self._ports, self._bus_ports = ports[:count], ports[count:]
             for index in range(count):
                 self._spawn(index)
@@ -352,15 +265,14 @@ class LocalRedisCluster:
                     raise
                 for index in range(count):
                     self.kill(index)
-                    shutil.rmtree(self._node_dir(index))  # its nodes.conf names the old ports
+                    shutil.rmtree(self._nodes.node_dir(index))  # its nodes.conf names the old ports
 
     def _wait_ready(self, index: int) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             while True:
-                proc = self._state.procs[index]
-                if proc is None or proc.poll() is not None:
+                if not self._nodes.running(index):
                     raise RuntimeError(f"redis-server node {index} exited during startup; "
                                        f"log:\n{self.log_tail(index)}")
                 try:
@@ -376,7 +288,7 @@ class LocalRedisCluster:
             client.close()
 
     def _form(self) -> None:
-        clients = [self.node_client(i) for i in range(len(self._state.procs))]
+        clients = [self.node_client(i) for i in range(len(self._nodes))]
         try:
             for epoch, (low, high) in enumerate(self._ranges, 1):
                 clients[epoch - 1].execute_command("CLUSTER", "ADDSLOTSRANGE", low, high)
@@ -413,13 +325,13 @@ class LocalRedisCluster:
                   for master in range(len(self._ranges))]
         expected = sorted((low, high, group) for (low, high), group
                           in zip(self._ranges, map(sorted, groups), strict=True))
-        for index in range(len(self._state.procs)):
+        for index in range(len(self._nodes)):
             client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
             try:
                 fields = _cluster_info(client)
                 if fields.get("cluster_state") != "ok":
                     return f"node {index}: cluster_state={fields.get('cluster_state')}"
-                if fields.get("cluster_known_nodes") != str(len(self._state.procs)):
+                if fields.get("cluster_known_nodes") != str(len(self._nodes)):
                     return f"node {index}: knows {fields.get('cluster_known_nodes')} nodes"
                 raw_nodes = client.execute_command("CLUSTER", "NODES")
                 if isinstance(raw_nodes, bytes):
