@@ -17,6 +17,7 @@ Eviction and expiry are Redis's own: run the masters with `maxmemory` and
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,16 +63,32 @@ DEFAULT_TIMEOUT_S = 5.0
 # of its input buffer, so deep pipelines of 2 MB values slow the server; parallelism comes from
 # lanes instead (`redis_lanes.deal_lanes`): workers // masters connections per master, each
 # sending its values in turn, so one lane checksums the next value while another's is on the
-# wire. 8 workers (2 lanes per master of 3) measured best on 16 cores; 12 and 16 lost 4-client
-# puts, 3 lost 1-client ones.
+# wire (`default_workers`).
 DEFAULT_BATCH_BYTES = 4 << 20
-DEFAULT_WORKERS = 8
 KEYS_PER_PIPELINE = 1024  # lookups, exists, deletes
 _REFRESH_INTERVAL_S = 1.0
 _REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
+
+def default_workers(cores: int | None = None) -> int:
+    """Pool threads per backend, for `cores` usable cores (default: this process's).
+
+    8 (2 lanes per master of 3) where cores are spare: measured best on 16 cores, where 12 and
+    16 lost 4-client puts and 3 lost 1-client ones. 3 (one lane per master) on 2 cores or
+    fewer: there a second lane has no core to checksum on and only doubles the bytes in flight;
+    four clients' puts on a 2-core VM went from 0.76-0.77 to 0.81-0.83 of redis-benchmark
+    (docs/benchmarks.md, "Redis Cluster tier").
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+    return 8 if cores > 2 else 3
+
+
+DEFAULT_WORKERS = default_workers()
+
 
 class RedisClusterBackend(RemoteBackend):
     """A Redis Cluster as the remote tier for one namespace and (for put/get) one pool.
