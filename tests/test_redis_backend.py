@@ -24,11 +24,7 @@ from transfer.remote.async_client import AsyncRemoteClient  # noqa: E402
 from transfer.remote.backend import open_backend  # noqa: E402
 from transfer.remote.connection import StoreError  # noqa: E402
 from transfer.remote.protocol import BlockStatus  # noqa: E402
-from transfer.remote.redis_backend import (  # noqa: E402
-    DEFAULT_WORKERS,
-    RedisClusterBackend,
-    default_workers,
-)
+from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
 from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis_values import HEADER_BYTES, RedisAuth, redis_key  # noqa: E402
 
@@ -441,9 +437,3 @@ def test_a_call_holds_at_most_its_lanes_connections_per_master(
     for node in nodes:
         node.close()
 
-
-def test_default_workers_one_lane_per_master_only_where_no_core_is_spare() -> None:
-    assert default_workers(1) == default_workers(2) == 3  # 3 masters: one lane each
-    assert default_workers(3) == default_workers(16) == 8  # two lanes each
-    cores = len(os.sched_getaffinity(0))
-    assert DEFAULT_WORKERS == default_workers() == (3 if cores <= 2 else 8)

@@ -6,6 +6,7 @@ import signal
 import stat
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,17 @@ def _config(**overrides: object) -> str:
     return node_config(7001, 17001, Path("/tmp/n0"), **options)  # type: ignore[arg-type]
 
 
-def test_plain_config_names_ports_user_and_eviction() -> None:
-    lines = _config().splitlines()
-    assert "port 7001" in lines and "cluster-port 17001" in lines
-    assert "bind 127.0.0.1" in lines and "dir /tmp/n0" in lines
-    assert "cluster-node-timeout 1500" in lines
-    assert f"maxmemory {64 << 20}" in lines and "maxmemory-policy allkeys-lru" in lines
-    assert "user default off" in lines and "user alice on >s3cret ~* &* +@all" in lines
-    assert "masteruser alice" in lines and "masterauth s3cret" in lines
-    assert not any(line.startswith("tls-") for line in lines)
+def test_plain_config_is_a_cluster_node_for_one_acl_user_without_persistence() -> None:
+    assert _config().splitlines() == [
+        "bind 127.0.0.1", "protected-mode yes", "daemonize no", "loglevel notice",
+        "dir /tmp/n0", "cluster-enabled yes", "cluster-config-file nodes.conf",
+        "cluster-port 17001", "cluster-node-timeout 1500",
+        "cluster-require-full-coverage no", "cluster-allow-reads-when-down no",
+        'save ""', "appendonly no", f"maxmemory {64 << 20}", "maxmemory-policy allkeys-lru",
+        "user default off", "user alice on >s3cret ~* &* +@all",
+        "masteruser alice", "masterauth s3cret",
+        "repl-diskless-sync-delay 0", "repl-ping-replica-period 1", "port 7001",
+    ]
 
 
 def test_no_maxmemory_means_unbounded() -> None:
@@ -38,11 +41,10 @@ def test_no_maxmemory_means_unbounded() -> None:
 def test_tls_config_listens_on_tls_only() -> None:
     certs = (Path("/c/ca.crt"), Path("/c/node.crt"), Path("/c/node.key"))
     lines = _config(certs=certs).splitlines()
-    assert "port 0" in lines and "tls-port 7001" in lines
-    assert "tls-ca-cert-file /c/ca.crt" in lines and "tls-cert-file /c/node.crt" in lines
-    assert "tls-key-file /c/node.key" in lines
-    assert "tls-cluster yes" in lines and "tls-replication yes" in lines
-    assert "port 7001" not in lines
+    assert lines[:-8] == _config().splitlines()[:-1]  # the rest as without TLS
+    assert lines[-8:] == ["port 0", "tls-port 7001", "tls-cert-file /c/node.crt",
+                          "tls-key-file /c/node.key", "tls-ca-cert-file /c/ca.crt",
+                          "tls-cluster yes", "tls-replication yes", "tls-auth-clients no"]
 
 
 def test_free_ports_are_distinct_loopback_ports() -> None:
@@ -51,12 +53,18 @@ def test_free_ports_are_distinct_loopback_ports() -> None:
     assert all(1024 <= port <= 65535 for port in ports)
 
 
-def test_processes_spawn_from_a_private_config_log_and_are_killed_and_stopped(
-        tmp_path: Path) -> None:
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[NodeProcesses]:
     # Python stands in for redis-server (both run the config file they are given): what is
     # checked is the handling of the processes, their files and their logs
-    nodes = NodeProcesses(sys.executable, 3, tmp_path / "root")
     (tmp_path / "root").mkdir()
+    processes = NodeProcesses(sys.executable, 3, tmp_path / "root")
+    yield processes
+    processes.stop()  # no child left behind when an assertion failed (stop is idempotent)
+
+
+def test_processes_spawn_from_a_private_config_log_and_are_killed_and_stopped(
+        nodes: NodeProcesses) -> None:
     assert len(nodes) == 3 and nodes.live() == [] and nodes.log_tail(0) == "(no log)"
     with pytest.raises(RuntimeError, match="node 2 was never started"):
         nodes.pid(2)
@@ -82,4 +90,4 @@ def test_processes_spawn_from_a_private_config_log_and_are_killed_and_stopped(
     nodes.stop()
     assert nodes.live() == [] and nodes.procs[0] is not None
     assert nodes.procs[0].returncode == -signal.SIGTERM
-    assert not (tmp_path / "root").exists()
+    assert not nodes.root.exists()

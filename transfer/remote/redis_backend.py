@@ -17,7 +17,6 @@ Eviction and expiry are Redis's own: run the masters with `maxmemory` and
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +41,7 @@ from transfer.keys import Namespace
 from transfer.remote.backend import RemoteBackend, TransferResult, check_positive
 from transfer.remote.connection import StoreError
 from transfer.remote.protocol import BlockStatus
-from transfer.remote.redis_lanes import Gate, Lane, deal_lanes, run_lane
+from transfer.remote.redis_lanes import Gate, Lane, deal_lanes, default_workers, run_lane
 from transfer.remote.redis_values import (
     HEADER_BYTES,
     VALUE_VERSION,
@@ -71,20 +70,6 @@ _REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
-
-def default_workers(cores: int | None = None) -> int:
-    """Pool threads per backend, for `cores` usable cores (default: this process's).
-
-    8 (2 lanes per master of 3) where cores are spare: measured best on 16 cores, where 12 and
-    16 lost 4-client puts and 3 lost 1-client ones. 3 (one lane per master) on 2 cores or
-    fewer: there a second lane has no core to checksum on and only doubles the bytes in flight;
-    four clients' puts on a 2-core VM went from 0.76-0.77 to 0.81-0.83 of redis-benchmark
-    (docs/benchmarks.md, "Redis Cluster tier").
-    """
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            (os.cpu_count() or 1)
-    return 8 if cores > 2 else 3
 
 
 DEFAULT_WORKERS = default_workers()

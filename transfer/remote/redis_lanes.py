@@ -7,6 +7,7 @@ call (the caller's deadline passed) from writing into pool slots the caller has 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,22 @@ class Gate:
         with self._cond:
             self._open = False
             self._cond.wait_for(lambda: self._writers == 0)  # at most one block's copy
+
+
+def default_workers(cores: int | None = None) -> int:
+    """Pool threads (so lanes) per backend for `cores` cores (default: those this process may
+    run on, its CPU affinity).
+
+    8 (2 lanes per master of 3) where cores are spare: measured best on 16 cores, where 12 and
+    16 lost 4-client puts and 3 lost 1-client ones. 3 (one lane per master) on 2 cores or
+    fewer: there a second lane has no core to checksum on and only doubles the bytes in flight;
+    four clients' puts on a 2-core VM went from 0.75-0.77 to 0.80-0.83 of redis-benchmark
+    (docs/benchmarks.md, "Redis Cluster tier").
+    """
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    return 8 if cores > 2 else 3
 
 
 def deal_lanes(nodes: list[Lane], workers: int) -> list[Lane]:
