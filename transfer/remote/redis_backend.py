@@ -64,15 +64,13 @@ DEFAULT_TIMEOUT_S = 5.0
 # sending its values in turn, so one lane checksums the next value while another's is on the
 # wire (`default_workers`).
 DEFAULT_BATCH_BYTES = 4 << 20
+DEFAULT_WORKERS = default_workers()
 KEYS_PER_PIPELINE = 1024  # lookups, exists, deletes
 _REFRESH_INTERVAL_S = 1.0
 _REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
-
-
-DEFAULT_WORKERS = default_workers()
 
 
 class RedisClusterBackend(RemoteBackend):
