@@ -196,10 +196,8 @@ class DmaBackend(_CudaBackend):
         handle = stream.cuda_stream
         if self._batch is not None:
             for part in batch_slices(count):
-                err = self._batch(dsts[part], srcs[part], sizes[part], handle)
-                if err:
-                    raise RuntimeError(f"cuMemcpyBatchAsync of copies {part.start}-"
-                                       f"{part.stop - 1} of {count} failed: CUresult {err}")
+                self._batch(dsts[part], srcs[part], sizes[part], handle,
+                            f"copies {part.start}-{part.stop - 1} of {count}")
             return
         for src, dst, size in zip(srcs.tolist(), dsts.tolist(), sizes.tolist(), strict=True):
             self._memcpy_async(dst, src, size, _MEMCPY_DEFAULT, handle)
@@ -219,12 +217,12 @@ class DmaBackend(_CudaBackend):
                     lane.stream.wait_stream(torch.cuda.current_stream(self.device))
                     dsts, srcs, sizes = (np.array([value], dtype=np.int64) for value in
                                          (dst.data_ptr(), src.data_ptr(), src.numel()))
-                    err = batch(dsts, srcs, sizes, lane.stream.cuda_stream)
+                    batch(dsts, srcs, sizes, lane.stream.cuda_stream, "the probe copy")
                     lane.stream.synchronize()
                 finally:
                     lane.close()
-            if err or not torch.equal(src, dst):
-                raise RuntimeError(f"probe copy returned CUresult {err}")
+            if not torch.equal(src, dst):
+                raise RuntimeError("the probe copy did not copy")
         except Exception as exc:  # no libcuda symbol (driver before CUDA 12.8), refused call
             log.warning("cuMemcpyBatchAsync unavailable (%s); using one memcpyAsync per copy", exc)
             return None

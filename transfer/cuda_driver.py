@@ -50,12 +50,17 @@ class BatchCopy:
         self._attrs = attrs
         self._attrs_index = ctypes.c_size_t(0)  # every copy takes attrs[0]
 
-    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> int:
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+                 what: str = "") -> None:
         """Queue copy i (`sizes[i]` bytes, `srcs[i]` -> `dsts[i]`) on `stream` for every i; the
-        arrays are contiguous int64. Returns the CUresult (0: queued)."""
+        arrays are contiguous int64. RuntimeError naming `what` (default: the copy count) and the
+        CUresult if the driver refuses the call."""
         for array in (dsts, srcs, sizes):
             if array.dtype != np.int64 or not array.flags.c_contiguous:
                 raise ValueError(f"descriptor arrays must be contiguous int64, got {array.dtype} "
                                  f"(contiguous: {array.flags.c_contiguous})")
-        return self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
-                          ctypes.byref(self._attrs), ctypes.byref(self._attrs_index), 1, stream)
+        err = self._call(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+                         ctypes.byref(self._attrs), ctypes.byref(self._attrs_index), 1, stream)
+        if err:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {what or f'{len(sizes)} copies'} failed: "
+                               f"CUresult {err}")
