@@ -30,8 +30,8 @@ import triton
 import triton.testing
 from attention_kernels import paged_decode_attention, paged_decode_mla
 
-from kvconnector.layout import KVForm, KVLayout
-from kvconnector.views import layer_view
+from kvconnector.layout.descriptor import KVForm, KVLayout
+from kvconnector.layout.views import layer_view
 
 DEVICE = "cuda"
 TARGET_RATIO = 1.02

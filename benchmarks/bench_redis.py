@@ -1,6 +1,6 @@
 """Redis Cluster tier throughput against `redis-benchmark` moving values of the same size.
 
-Starts a local 3-master Redis Cluster (transfer.remote.redis_local.LocalRedisCluster), or uses
+Starts a local 3-master Redis Cluster (transfer.remote.redis.local.LocalRedisCluster), or uses
 one given by --url/--user/--password-file. For 1 and 4 clients, each client is a process with its
 own RedisClusterBackend and its own pool of 2 MiB blocks (random bytes, its own keys), and puts all
 its blocks, then gets them all back into other slots; the bytes are compared after every get (a
@@ -56,12 +56,12 @@ import torch
 from kvconnector.bench.redis_tier import RedisBenchmark
 from kvconnector.bench.report import cpu_model
 from transfer.keys import Namespace
-from transfer.remote.redis_backend import (
+from transfer.remote.redis.backend import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_WORKERS,
     RedisClusterBackend,
 )
-from transfer.remote.redis_values import HEADER_BYTES, RedisAuth
+from transfer.remote.redis.values import HEADER_BYTES, RedisAuth
 
 BLOCK = 2 << 20
 VALUE = BLOCK + HEADER_BYTES
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cluster = None
     if args.url is None:
-        from transfer.remote.redis_local import LocalRedisCluster
+        from transfer.remote.redis.local import LocalRedisCluster
 
         cluster = LocalRedisCluster()
         url, auth = cluster.url, RedisAuth.from_sources(cluster.user, cluster.password_file)

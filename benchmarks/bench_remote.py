@@ -39,15 +39,15 @@ import zmq.auth
 
 from kvconnector.bench.report import cpu_model
 from transfer.keys import Namespace
-from transfer.remote.client import (
+from transfer.remote.store.client import (
     DEFAULT_GET_BATCH_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_PUT_BATCH_BYTES,
     StoreClient,
     blocks_per_batch,
 )
-from transfer.remote.security import Security
-from transfer.remote.testing import StoreProcess
+from transfer.remote.store.security import Security
+from transfer.remote.store.testing import StoreProcess
 
 BLOCK = 2 << 20
 NS = Namespace("bench-remote", "bfloat16", 16, "2MiB blocks")

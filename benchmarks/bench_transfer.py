@@ -47,8 +47,8 @@ from kvconnector.bench.runner import (
     check_round_trip,
 )
 from kvconnector.bench.sizing import BenchError, disjoint_id_sets, format_bytes
-from kvconnector.layout import KVForm, KVLayout
-from kvconnector.units import parse_size
+from kvconnector.cli.units import parse_size
+from kvconnector.layout.descriptor import KVForm, KVLayout
 from transfer.pool import HostPool
 
 GEMM_N = 8192  # 1.1 TFLOP per GEMM: about 1.6 ms on an H200

@@ -25,9 +25,8 @@ import sys
 
 import torch
 
-from kvconnector import KVLayout
-from kvconnector.allocator import allocate
-from transfer.copy_backends import make_backend
+from kvconnector import KVLayout, allocate
+from transfer.copy.factory import make_backend
 from transfer.engine import TransferEngine, TransferResult
 from transfer.pool import HostPool
 

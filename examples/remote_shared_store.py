@@ -1,7 +1,7 @@
 """A remote block store shared by two engines: one stores a prompt's blocks, the other reuses them.
 
 What it shows, all on loopback, in three processes besides this one's:
-- the store: `python -m transfer.remote.cli store serve` (the `kvconnector store serve` command
+- the store: `python -m kvconnector.cli.store store serve` (the `kvconnector store serve` command
   without the torch import) on a free port, with shared-secret security (a random secret in a
   0600 file; both sides read it). It prints the address it bound; this script reads it from there;
 - client A (an engine that computed a prompt): fills blocks of its host pool (a `HostPool` for a
@@ -43,8 +43,8 @@ import torch
 from kvconnector import KVLayout
 from transfer.keys import Namespace
 from transfer.pool import HostPool
-from transfer.remote.client import StoreClient
-from transfer.remote.security import Security
+from transfer.remote.store.client import StoreClient
+from transfer.remote.store.security import Security
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, block_size=16,
                   dtype="bfloat16", order="BLNHC")
@@ -156,7 +156,7 @@ def run_client(ctx: Any, target: Any, url: str, secret_file: Path) -> dict[str, 
 
 def start_store(secret_file: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start the store on a free loopback port; returns the process and the URL it bound."""
-    command = [sys.executable, "-m", "transfer.remote.cli", "store", "serve",
+    command = [sys.executable, "-m", "kvconnector.cli.store", "store", "serve",
                "--listen", "tcp://127.0.0.1:*", "--capacity", CAPACITY,
                "--security", "secret", "--secret-file", str(secret_file)]
     with log_path.open("wb") as log:

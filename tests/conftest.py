@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from transfer.remote.redis_local import LocalRedisCluster
+    from transfer.remote.redis.local import LocalRedisCluster
 
 
 def _cuda_available() -> bool:
@@ -77,7 +77,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny Llama config the vLLM harness's engines load (tests/vllm_engine_config.py)."""
+    """The tiny Llama config the vLLM harness's engines load (vllm_engine_config.py)."""
     from vllm_engine_config import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("tiny-llama"))
@@ -96,7 +96,7 @@ def engines_shut_down() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[LocalRedisCluster]:
     """A 3-master cluster shared by a module's tests: read-mostly, never kill its nodes."""
-    from transfer.remote.redis_local import LocalRedisCluster
+    from transfer.remote.redis.local import LocalRedisCluster
 
     with LocalRedisCluster() as cluster:
         yield cluster
@@ -106,7 +106,7 @@ def redis_cluster() -> Iterator[LocalRedisCluster]:
 def redis_cluster_factory() -> Iterator[Callable[..., LocalRedisCluster]]:
     """make(**kwargs) -> a fresh LocalRedisCluster (maxmemory=, tls=, ...), stopped after the
     test (for tests that kill nodes or need their own settings)."""
-    from transfer.remote.redis_local import LocalRedisCluster
+    from transfer.remote.redis.local import LocalRedisCluster
 
     clusters: list[LocalRedisCluster] = []
 

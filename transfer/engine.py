@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segment, make_backend
+from transfer.copy.base import Completion, CopyBackend, Lane, RowCopy, Segment
+from transfer.copy.factory import make_backend
 
 DEFAULT_MAX_STORE_BYTES = 2 << 30  # ~40 ms of stores at PCIe Gen5 x16 speed
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvconnector.allocator import KVBuffer, allocate, attach
-from kvconnector.layout import KVLayout
-from transfer.copy_backends import Segment
+from kvconnector.layout.allocator import KVBuffer, allocate, attach
+from kvconnector.layout.descriptor import KVLayout
+from transfer.copy.base import Segment
 
 
 def block_major_twin(layout: KVLayout) -> KVLayout:

@@ -20,7 +20,7 @@ from kvconnector.bench.sizing import (
     format_bytes,
     jobs_blocks,
 )
-from kvconnector.units import parse_size
+from kvconnector.cli.units import parse_size
 
 DEFAULT_BLOCKS = 1024
 DEFAULT_BUDGET = {"cuda": "24G", "cpu": "512M"}  # both sides; CPU: the process stays < 1 GiB
@@ -124,7 +124,7 @@ def _redis_auth(args: argparse.Namespace) -> Any:
                              "--redis-url")
         return None
     try:
-        from transfer.remote.redis_values import RedisAuth, RedisURL
+        from transfer.remote.redis.values import RedisAuth, RedisURL
 
         RedisURL.parse(args.redis_url)
         return RedisAuth.from_sources(args.redis_user, args.redis_password_file,

@@ -1,6 +1,6 @@
 """The copy paths the benchmark drives, all through the transfer engine.
 
-Segments (transfer.copy_backends.Segment) pair device rows with pool rows: a block-major cache is
+Segments (transfer.copy.base.Segment) pair device rows with pool rows: a block-major cache is
 one segment of whole blocks (one copy per block); the layer-major path vLLM uses is one segment
 per layer of pages (one copy per layer per block), each landing in its place inside the slot.
 """
@@ -11,8 +11,9 @@ import itertools
 
 import torch
 
-from kvconnector.allocator import KVBuffer
-from transfer.copy_backends import CopyBackend, Segment, make_backend
+from kvconnector.layout.allocator import KVBuffer
+from transfer.copy.base import CopyBackend, Segment
+from transfer.copy.factory import make_backend
 from transfer.engine import TransferEngine
 from transfer.pool import HostPool
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvconnector.layout import KVForm, KVLayout, dtype_name, parse_dtype
+from kvconnector.layout.descriptor import KVForm, KVLayout, dtype_name, parse_dtype
 
 # The block-major order we allocate and the layer-major order vLLM 0.33's OffloadingConnector asks
 # for (one page per layer per block moves in its batched copies).

@@ -1,7 +1,7 @@
 """The Redis tier of `kvconnector bench`: pool blocks put to and got from a Redis Cluster.
 
 Given `--redis-url`, each case's blocks (as many as the zmq remote rows move) go to the cluster
-through transfer.remote.redis_backend.RedisClusterBackend, one client, and come back into other
+through transfer.remote.redis.backend.RedisClusterBackend, one client, and come back into other
 pool slots; the bytes are compared after the last get. The baseline is `redis-benchmark` (Debian's
 redis-tools) doing SET and GET of values of the same size (block + the 40 B value header) on the
 same cluster in the same run, one connection per master (our one client talks to every master),
@@ -87,7 +87,7 @@ class RedisBenchmark:
     def __init__(self, url: str, auth: Any) -> None:
         from redis.cluster import ClusterNode, RedisCluster
 
-        from transfer.remote.redis_values import RedisURL
+        from transfer.remote.redis.values import RedisURL
 
         tool = shutil.which(TOOL)
         if tool is None:
@@ -189,8 +189,8 @@ def measure_redis(plan: list[Any], host_arena: torch.Tensor, budget: int, repeat
                   step: Callable[[str], None], url: str, auth: Any) -> dict[str, Any]:
     """Rows per case: our put/get GB/s and, where redis-benchmark runs, its SET/GET."""
     try:
-        from transfer.remote.redis_backend import DEFAULT_BATCH_BYTES
-        from transfer.remote.redis_values import HEADER_BYTES
+        from transfer.remote.redis.backend import DEFAULT_BATCH_BYTES
+        from transfer.remote.redis.values import HEADER_BYTES
     except ImportError as exc:
         for _ in range(redis_steps(len(plan))):
             step("redis tier: skipped")
@@ -228,8 +228,8 @@ def measure_redis(plan: list[Any], host_arena: torch.Tensor, budget: int, repeat
 def _measure_case(case: Any, pool: torch.Tensor, n: int, repeats: int, url: str, auth: Any,
                   baseline: RedisBenchmark | None, depth: int) -> dict[str, Any]:
     from transfer.keys import Namespace
-    from transfer.remote.backend import open_backend
-    from transfer.remote.redis_values import HEADER_BYTES
+    from transfer.remote.factory import open_backend
+    from transfer.remote.redis.values import HEADER_BYTES
 
     block_bytes = pool.shape[1]
     ns = Namespace("kvconnector-bench-redis", str(case.layout.dtype), case.layout.block_size,

@@ -35,8 +35,8 @@ def measure_remote(plan: list[Any], host_arena: torch.Tensor, budget: int, repea
     try:
         import zmq
 
-        from transfer.remote.client import StoreClient  # noqa: F401  (is the tier built?)
-        from transfer.remote.server import StoreServer  # noqa: F401
+        from transfer.remote.store.client import StoreClient  # noqa: F401  (is the tier built?)
+        from transfer.remote.store.server import StoreServer  # noqa: F401
     except ImportError as exc:
         for _ in range(remote_steps(len(plan))):
             step("remote tier: skipped")
@@ -63,7 +63,7 @@ def _securities(tmp: Path, zmq: Any) -> dict[str, tuple[Any, Any]]:
     """(server, client) Security for every mode this pyzmq supports, with throwaway keys."""
     import zmq.auth
 
-    from transfer.remote.security import Security
+    from transfer.remote.store.security import Security
 
     modes = {"none": (Security.none(), Security.none())}
     secret = tmp / "secret"
@@ -82,8 +82,8 @@ def _securities(tmp: Path, zmq: Any) -> dict[str, tuple[Any, Any]]:
 def _measure_mode(case: Any, pool: torch.Tensor, n: int, mode: str, server_sec: Any,
                   client_sec: Any, repeats: int) -> dict[str, Any]:
     from transfer.keys import Namespace
-    from transfer.remote.client import StoreClient
-    from transfer.remote.server import StoreServer
+    from transfer.remote.store.client import StoreClient
+    from transfer.remote.store.server import StoreServer
 
     block_bytes = pool.shape[1]
     nbytes = n * block_bytes

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvconnector.allocator import KVBuffer, allocate
 from kvconnector.bench.ceilings import Ceilings
 from kvconnector.bench.movers import EngineMover, segments_for
 from kvconnector.bench.presets import Case
@@ -24,8 +23,9 @@ from kvconnector.bench.sizing import (
     disjoint_id_sets,
     format_bytes,
 )
-from kvconnector.layout import HOST_ALIGNMENT, KVForm, KVLayout
-from transfer.copy_backends import Segment
+from kvconnector.layout.allocator import KVBuffer, allocate
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVForm, KVLayout
+from transfer.copy.base import Segment
 from transfer.pool import HostPool
 
 _ARENA_ROW = 1 << 20  # arenas are allocated as rows of 1 MiB

@@ -5,7 +5,7 @@ CUDA. vLLM 0.32 (vllm/v1/kv_offload/cpu/gpu_worker.py) copies a job's pages like
   in stream order;
 - CPU -> GPU: the same call with sources read in any order, except where every page is under
   28 KiB and a multiple of 8 bytes and a job has at least 16 copies: then a Triton kernel on 12
-  SMs copies them. Our SM copy kernel on 12 SMs (transfer.cuda_copy.SmCopyBackend, as the
+  SMs copies them. Our SM copy kernel on 12 SMs (transfer.copy.cuda.SmCopyBackend, as the
   connector's "auto" backend runs it) stands in for it; it is the faster of the two (8 KiB pages
   on the H200: 40-43 GB/s against 33 GB/s measured once for vLLM's).
 
@@ -18,15 +18,15 @@ from collections.abc import Sequence
 
 import torch
 
-from transfer.copy_backends import RowCopy, Segment
-from transfer.cuda_copy import (
+from transfer.copy.base import RowCopy, Segment
+from transfer.copy.cuda import (
     SM_LOAD_MAX_PAGE,
     SM_LOAD_MIN_COPIES,
     SM_LOAD_SMS,
     SmCopyBackend,
     _CudaBackend,
 )
-from transfer.cuda_driver import SRC_ORDER_ANY, SRC_ORDER_STREAM, BatchCopy, MemcpyAttributes
+from transfer.copy.cuda_driver import SRC_ORDER_ANY, SRC_ORDER_STREAM, BatchCopy, MemcpyAttributes
 
 
 class VllmCopyPath(_CudaBackend):

@@ -8,9 +8,9 @@ import sys
 
 # subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
 _SUBCOMMANDS = {
-    "backends": "kvconnector.backends_cli",
+    "backends": "kvconnector.cli.backends",
     "bench": "kvconnector.bench",
-    "store": "transfer.remote.cli",
+    "store": "kvconnector.cli.store",
 }
 
 

@@ -1,5 +1,6 @@
-"""`kvconnector backends`: the attention-backend registry (kvconnector.registry) as a table or
-as JSON, with the layouts each backend accepts on this machine and the evidence for each entry."""
+"""`kvconnector backends`: the attention-backend registry (kvconnector.layout.registry) as a
+table or as JSON, with the layouts each backend accepts on this machine and the evidence for each
+entry."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import argparse
 import json
 from typing import Any
 
-from kvconnector import registry
-from kvconnector.registry import show_layouts
+from kvconnector.layout import registry
+from kvconnector.layout.registry import show_layouts
 
 
 def backend_rows(compute_capability: tuple[int, int] | None = None, use_vllm: bool = True

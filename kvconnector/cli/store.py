@@ -1,6 +1,6 @@
 """`kvconnector store serve|stats`: run a block store, print a store's counters.
 
-`python -m transfer.remote.cli store ...` runs the same commands without importing torch (the
+`python -m kvconnector.cli.store store ...` runs the same commands without importing torch (the
 `kvconnector` command imports it through the package), so a store starts in a fraction of a
 second; the test fixtures use it.
 """
@@ -17,11 +17,11 @@ from typing import Any
 
 import zmq
 
-from kvconnector.units import parse_size
-from transfer.remote.client import StoreClient, StoreError
-from transfer.remote.protocol import Limits
-from transfer.remote.security import Security, SecurityMode
-from transfer.remote.server import StoreServer
+from kvconnector.cli.units import parse_size
+from transfer.remote.store.client import StoreClient, StoreError
+from transfer.remote.store.protocol import Limits
+from transfer.remote.store.security import Security, SecurityMode
+from transfer.remote.store.server import StoreServer
 
 _SECURITY_OPTIONS = {  # option -> (the mode it belongs to, server side, client side)
     "secret_file": (SecurityMode.SECRET, True, True),
@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m transfer.remote.cli")
+    parser = argparse.ArgumentParser(prog="python -m kvconnector.cli.store")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import msgpack
 import torch
 
-from kvconnector.layout import (
+from kvconnector.layout.descriptor import (
     GPU_ALIGNMENT,
     HOST_ALIGNMENT,
     KVLayout,
     dtype_name,
 )
-from kvconnector.views import ViewKind, layer_view
+from kvconnector.layout.views import ViewKind, layer_view
 
 SHM_DIR = "/dev/shm"
 # cudaHostRegister granularity: big enough to amortise a call, small enough to spread on threads.

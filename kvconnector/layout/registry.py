@@ -5,10 +5,10 @@ that read stride(block) handle it; kernels that compute page addresses as block 
 another layer and the model answers garbage with no error. So a backend is opted in only on
 evidence (a source citation or our own kernel check), and every name not recorded here is out.
 
-Layouts are named as vLLM names them (kvconnector.layout). For a vLLM backend the layouts it
-accepts come from vLLM's own `supported_kv_cache_layouts()` when vLLM is importable (None meaning
-any), else from the record below, taken from vLLM 0.32.0. vLLM is imported lazily, only when such
-a lookup runs: importing this module never imports it.
+Layouts are named as vLLM names them (kvconnector.layout.descriptor). For a vLLM backend the
+layouts it accepts come from vLLM's own `supported_kv_cache_layouts()` when vLLM is importable
+(None meaning any), else from the record below, taken from vLLM 0.32.0. vLLM is imported lazily,
+only when such a lookup runs: importing this module never imports it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvconnector.layout import ALL_ORDERS, BLOCK_MAJOR_ORDERS
-from kvconnector.views import ViewKind
+from kvconnector.layout.descriptor import ALL_ORDERS, BLOCK_MAJOR_ORDERS
+from kvconnector.layout.views import ViewKind
 
 RECORDED_VLLM_VERSION = "0.32.0"
 _V = "vllm/v1/attention/backends/"  # where the cited sources live
@@ -35,7 +35,7 @@ _HEAD_MAJOR_INTERIORS = ("BLHNC", "BHLNC")
 class ConstraintKind(str, Enum):
     """What a constraint does to a decision (see `decide`)."""
 
-    TMA_ALIGNMENT = "tma_alignment"  # a requirement on the views (kvconnector.views meets it)
+    TMA_ALIGNMENT = "tma_alignment"  # on the views (kvconnector.layout.views meets it)
     FP8_DEQUANT_CONTIGUOUS = "fp8_dequant_contiguous"  # fp8 KV dtypes: head-major interiors only
     PER_TOKEN_HEAD_SCALES = "per_token_head_scales"  # *_per_token_head KV dtypes: refused
 

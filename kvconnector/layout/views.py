@@ -17,7 +17,7 @@ from enum import Enum
 
 import torch
 
-from kvconnector.layout import KVForm, KVLayout
+from kvconnector.layout.descriptor import KVForm, KVLayout
 
 TMA_ALIGNMENT = 16
 

@@ -29,9 +29,10 @@ import torch
 
 from transfer.keys import DIGEST_BYTES
 from transfer.remote.async_client import AsyncRemoteClient
-from transfer.remote.backend import REDIS_SCHEMES, TransferResult
-from transfer.remote.redis_values import RedisAuth, RedisURL
-from transfer.remote.security import Security, require_loopback, tcp_host
+from transfer.remote.backend import TransferResult
+from transfer.remote.factory import REDIS_SCHEMES
+from transfer.remote.redis.values import RedisAuth, RedisURL
+from transfer.remote.store.security import Security, require_loopback, tcp_host
 
 SECURITY_CHOICES = ("none", "secret", "curve")
 

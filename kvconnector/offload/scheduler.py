@@ -1,6 +1,6 @@
 """Scheduler-side core of the CPU-tier connector: which blocks to load and store, and when.
 
-No vLLM imports: the vLLM adapter (kvconnector/vllm.py) feeds it plain values (request ids, block
+No vLLM imports: the vLLM adapter (kvconnector.vllm) feeds it plain values (request ids, block
 hashes, GPU block ids, token counts) and ships what `build_step` returns to the workers.
 
 Every GPU block holds `block_size` tokens of every layer; its key is the namespace digest + the
@@ -12,7 +12,7 @@ Life of a job: `plan_load` / `plan_stores` / `request_finished` create jobs; `bu
 out once; every worker reports each job done or failed (`JobReport`, summed over ranks by vLLM's
 aggregation); when all `num_workers` have reported, `complete` finishes it in the index.
 
-With a remote store (kvconnector/remote_tier.py): `lookup` keeps the keys past the CPU tier's
+With a remote store (remote_tier.py): `lookup` keeps the keys past the CPU tier's
 hits (`remote_candidates`); the adapter asks the store and sets `set_remote_hits`; a load job
 then also fetches those blocks from the store into slots reserved like stores (a good fetch
 leaves them in the CPU tier). Every store job is also put to the store by every worker once
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvconnector.offload_jobs import JobReport, StepJobs, TransferJob
+from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
 from transfer.block_index import BlockIndex
 from transfer.keys import Namespace
 

@@ -2,7 +2,7 @@
 
 No vLLM imports, so the same code runs under vLLM and on a GPU machine where vLLM cannot be
 installed (a stand-in step drives it there). It takes the per-layer KV cache tensors an engine
-hands over, finds what lies behind them (kvconnector.recognize) and moves whole blocks:
+hands over, finds what lies behind them (kvconnector.layout.recognize) and moves whole blocks:
 - block-major buffer: one copy per block (block b of every layer is one chunk);
 - anything else (a layer-major layout, an engine override, a backend that refused): the per-layer
   fallback, one copy per layer (per run of a page) per block, into the same slot format.
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvconnector.layout import KVForm, KVLayout
-from kvconnector.offload_jobs import JobReport, StepJobs, TransferJob
-from kvconnector.recognize import recognize
-from kvconnector.remote_tier import RemoteFetcher, leading_ok, settled
-from transfer.copy_backends import CopyBackend
+from kvconnector.layout.descriptor import KVForm, KVLayout
+from kvconnector.layout.recognize import recognize
+from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
+from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
+from transfer.copy.base import CopyBackend
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.pool import HostPool
 from transfer.remote.backend import TransferResult as StoreResult

@@ -4,12 +4,12 @@
         "kv_connector_module_path": "kvconnector.vllm", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes": 68719476736}}'
 
-A thin layer over two vLLM-free cores: kvconnector.offload_scheduler (role SCHEDULER: which
-blocks to load and store) and kvconnector.offload_worker (role WORKER, one per GPU: the pinned
+A thin layer over two vLLM-free cores: kvconnector.offload.scheduler (role SCHEDULER: which
+blocks to load and store) and kvconnector.offload.worker (role WORKER, one per GPU: the pinned
 pool and the copies). Extra-config keys: see `ConnectorOptions` and examples/vllm_serve.md.
 
 With `remote_url`, a remote block store (transfer.remote) is the second tier, or the only one
-with `remote_only` (kvconnector/remote_tier.py): asynchronous lookups with a deadline past the
+with `remote_only` (kvconnector.offload.remote_tier): asynchronous lookups with a deadline past the
 CPU tier's hits, fetches into pool slots, write-through of every stored block.
 
 Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
@@ -40,16 +40,17 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvconnector.layout import HOST_ALIGNMENT, round_up
-from kvconnector.offload_jobs import JobReport, StepJobs
-from kvconnector.offload_scheduler import OffloadScheduler
-from kvconnector.offload_worker import OffloadWorker
-from kvconnector.options import ConnectorOptions
-from kvconnector.registry import decide
-from kvconnector.remote_tier import RemoteFetcher, RemoteLookups
-from kvconnector.vllm_namespace import engine_namespace, rank_namespace
-from kvconnector.vllm_stats import OffloadPromMetrics, OffloadStats
-from transfer.copy_backends import CopyBackend, make_backend
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
+from kvconnector.layout.registry import decide
+from kvconnector.offload.jobs import JobReport, StepJobs
+from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
+from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.worker import OffloadWorker
+from kvconnector.vllm.namespace import engine_namespace, rank_namespace
+from kvconnector.vllm.options import ConnectorOptions
+from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
+from transfer.copy.base import CopyBackend
+from transfer.copy.factory import make_backend
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

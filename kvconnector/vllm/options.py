@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvconnector.layout import BLOCK_MAJOR_ORDERS
-from kvconnector.remote_tier import RemoteSettings, is_redis_url, make_redis_auth, make_security
-from transfer.copy_backends import BACKENDS
+from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
+from kvconnector.offload.remote_tier import (
+    RemoteSettings,
+    is_redis_url,
+    make_redis_auth,
+    make_security,
+)
+from transfer.copy.factory import BACKENDS
 from transfer.engine import DEFAULT_MAX_STORE_BYTES
 
 LAYOUT_CHOICES = ("auto", "engine", *BLOCK_MAJOR_ORDERS)

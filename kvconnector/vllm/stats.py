@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvconnector.offload_scheduler import OffloadCounters
+from kvconnector.offload.scheduler import OffloadCounters
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

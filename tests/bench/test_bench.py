@@ -12,7 +12,7 @@ import torch
 from kvconnector.bench.presets import PRESETS, build_cases
 from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets
 from kvconnector.cli import main
-from kvconnector.units import parse_size
+from kvconnector.cli.units import parse_size
 
 # One small preset, few blocks, one repeat: seconds, not minutes.
 TINY = ["bench", "--preset", "llama-3.1-70b-tp8", "--blocks", "8", "--budget", "64M",
@@ -131,7 +131,7 @@ def test_raw_remote_baseline_gets_more_blocks_than_the_high_water_mark(
     """The raw ROUTER once dropped every block past its 1000-message HWM, so a get of a large
     case's blocks waited out the timeout (the GPU machine's run hung on its block-size sweep)."""
     from kvconnector.bench import remote
-    from transfer.remote.security import Security
+    from transfer.remote.store.security import Security
 
     monkeypatch.setattr(remote, "_TIMEOUT_S", 10.0)
     n, block = 3000, 16 << 10

@@ -13,8 +13,8 @@ from kvconnector.cli import main
 
 pytest.importorskip("redis")
 
-from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
-from transfer.remote.redis_values import RedisAuth  # noqa: E402
+from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis.values import RedisAuth  # noqa: E402
 
 pytestmark = pytest.mark.redis
 

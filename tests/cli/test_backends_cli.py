@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_registry import SEEDED
+from registry_seeds import SEEDED
 
 from kvconnector.cli import main
-from kvconnector.layout import BLOCK_MAJOR_ORDERS
+from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
 
 
 def test_cli_table_lists_every_backend(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,16 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.copy_backends import (
-    RowCopy,
-    Segment,
-    ThreadBackend,
-    ThreadCompletion,
-    make_backend,
-)
+from transfer.copy.base import RowCopy, Segment, ThreadBackend, ThreadCompletion
+from transfer.copy.factory import make_backend
 
 if TYPE_CHECKING:
-    from transfer.cuda_copy import DmaBackend
+    from transfer.copy.cuda import DmaBackend
 
 TIMEOUT = 60.0
 
@@ -137,7 +132,7 @@ def test_make_backend() -> None:
 
 
 def test_importing_cuda_copy_needs_no_gpu() -> None:
-    import transfer.cuda_copy as cc
+    import transfer.copy.cuda as cc
 
     assert cc.DmaBackend.name == "dma" and cc.SmCopyBackend.name == "sm"
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -180,8 +175,8 @@ def _fake_driver_call(calls: list[tuple], fail_at: int | None = None) -> object:
 
 
 def _dma_backend(calls: list[tuple], fail_at: int | None = None) -> DmaBackend:
-    from transfer.cuda_copy import DmaBackend
-    from transfer.cuda_driver import (
+    from transfer.copy.cuda import DmaBackend
+    from transfer.copy.cuda_driver import (
         PREFER_OVERLAP_WITH_COMPUTE,
         SRC_ORDER_STREAM,
         BatchCopy,
@@ -209,7 +204,7 @@ def test_a_cuda12_driver_batch_call_gets_its_fail_index_before_the_stream() -> N
     before the stream; the wrapper puts it there and keeps the CUDA 13 order for callers."""
     from types import SimpleNamespace
 
-    from transfer.cuda_driver import driver_batch_call
+    from transfer.copy.cuda_driver import driver_batch_call
 
     seen: list[tuple] = []
 
@@ -242,7 +237,7 @@ def _many_rows_copy(rows: int) -> tuple[RowCopy, list[torch.Tensor], list[torch.
 
 def test_dma_issues_a_large_job_in_growing_batches_that_cover_every_copy_once() -> None:
     """The engines start on a first small batch while the host issues the rest."""
-    from transfer.cuda_copy import batch_slices
+    from transfer.copy.cuda import batch_slices
 
     assert batch_slices(0) == []
     assert batch_slices(32) == [slice(0, 32)]
@@ -269,7 +264,7 @@ def test_dma_batch_refused_part_way_raises_naming_the_copies() -> None:
 
 
 def test_dma_loop_passes_dst_src_size_kind_stream() -> None:
-    from transfer.cuda_copy import DmaBackend
+    from transfer.copy.cuda import DmaBackend
 
     kinds = []
 
@@ -299,7 +294,7 @@ def _auto_backend(pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...],
                   with_sm: bool = True) -> tuple[object, _Recorder, _Recorder]:
     """An AutoCudaBackend checked against the segments of `pairs` (load or store pairs), with
     recorders for its DMA and SM backends."""
-    from transfer.cuda_copy import AutoCudaBackend, sm_load_rows
+    from transfer.copy.cuda import AutoCudaBackend, sm_load_rows
 
     backend = object.__new__(AutoCudaBackend)
     backend.dma, sm = _Recorder(), _Recorder()
@@ -354,7 +349,7 @@ def test_auto_loads_rows_at_unaligned_addresses_or_strides_by_dma() -> None:
 
 
 def test_batch_copy_refuses_arrays_the_driver_cannot_read_in_place() -> None:
-    from transfer.cuda_driver import BatchCopy, MemcpyAttributes
+    from transfer.copy.cuda_driver import BatchCopy, MemcpyAttributes
 
     calls: list[tuple] = []
     batch = BatchCopy(MemcpyAttributes(), _fake_driver_call(calls))

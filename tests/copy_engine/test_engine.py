@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnector.allocator import KVBuffer, allocate
-from kvconnector.layout import KVLayout
-from transfer.copy_backends import Segment, ThreadBackend
+from kvconnector.layout.allocator import KVBuffer, allocate
+from kvconnector.layout.descriptor import KVLayout
+from transfer.copy.base import Segment, ThreadBackend
 from transfer.engine import TransferEngine, TransferResult
 from transfer.pool import HostPool
 

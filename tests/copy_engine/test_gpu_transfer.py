@@ -1,6 +1,6 @@
 """Transfer engine on CUDA: pinned pool round trips, compute-stream order, two processes.
 
-Run on the GPU machine: `pytest -m gpu tests/test_gpu_transfer.py -v` (skipped without CUDA).
+Run on the GPU machine: `pytest -m gpu tests/copy_engine` (skipped without CUDA).
 Every load goes into poisoned blocks and the whole cache buffer is compared byte for byte. Jobs
 are held in flight deterministically by a spin kernel on the compute stream that waits for a flag
 in pinned host memory (`ComputeGate`), never by timing.
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvconnector.allocator import KVBuffer, allocate
-from kvconnector.layout import KVLayout
-from transfer.copy_backends import CopyBackend
+from kvconnector.layout.allocator import KVBuffer, allocate
+from kvconnector.layout.descriptor import KVLayout
+from transfer.copy.base import CopyBackend
 from transfer.engine import TransferEngine
 from transfer.pool import HostPool
 
@@ -63,7 +63,7 @@ def host_copy(view: torch.Tensor, raw: torch.Tensor, raw_cpu: torch.Tensor) -> t
 
 
 def make_backend(kind: str) -> CopyBackend:
-    from transfer.cuda_copy import DmaBackend, SmCopyBackend
+    from transfer.copy.cuda import DmaBackend, SmCopyBackend
 
     if kind == "dma":
         backend = DmaBackend("cuda")
@@ -75,14 +75,14 @@ def make_backend(kind: str) -> CopyBackend:
         import ctypes
         from types import SimpleNamespace
 
-        from transfer.cuda_driver import BatchCopy, driver_batch_call
+        from transfer.copy.cuda_driver import BatchCopy, driver_batch_call
 
         backend = DmaBackend("cuda")
         cuda12 = SimpleNamespace(cuMemcpyBatchAsync=ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync)
         backend._batch = BatchCopy(backend._batch._attrs, driver_batch_call(cuda12))
         return backend
     if kind == "auto":
-        from transfer.copy_backends import make_backend as factory
+        from transfer.copy.factory import make_backend as factory
 
         return factory("auto", "cuda")
     if kind == "vllm":  # the benchmark's layer-major baseline
@@ -263,7 +263,8 @@ def test_load_waits_for_the_store_of_its_slot_only(backend: str) -> None:
 def test_auto_splits_a_load_between_the_sms_and_dma_bit_exact() -> None:
     """Segments of 8 KiB and 64 KiB rows in one job: the small ones load on the SMs, the rest by
     DMA, every byte right; a load of fewer than 16 small copies goes by DMA alone."""
-    from transfer.copy_backends import Segment, make_backend
+    from transfer.copy.base import Segment
+    from transfer.copy.factory import make_backend
 
     small, large, blocks, slots = 8 << 10, 64 << 10, 64, 48
     pool_layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=small + large, block_size=1,
@@ -304,7 +305,7 @@ def test_auto_splits_a_load_between_the_sms_and_dma_bit_exact() -> None:
 def _small_page_rig(backend: CopyBackend, width: int = 8 << 10, blocks: int = 64,
                     slots: int = 48) -> tuple[TransferEngine, torch.Tensor, torch.Tensor]:
     """One segment of `width`-byte rows: GPU rows of random bytes, pinned host rows poisoned."""
-    from transfer.copy_backends import Segment
+    from transfer.copy.base import Segment
 
     gpu = random_bytes(blocks * width, 21).cuda().view(blocks, width)
     host = torch.empty(slots, width, dtype=torch.uint8, pin_memory=True).fill_(0xA5)
@@ -314,7 +315,7 @@ def _small_page_rig(backend: CopyBackend, width: int = 8 << 10, blocks: int = 64
 def test_auto_sm_load_waits_for_the_dma_store_of_its_slot() -> None:
     """A load on the SMs ("auto", 8 KiB rows) of a slot a DMA store is still writing waits for
     it, on another lane; a second store to the slot and a second load see the new bytes."""
-    from transfer.copy_backends import make_backend
+    from transfer.copy.factory import make_backend
 
     engine, gpu, host = _small_page_rig(make_backend("auto", "cuda"))
     gate, compute = ComputeGate(), torch.cuda.Stream()
@@ -348,7 +349,7 @@ def test_auto_sm_load_waits_for_the_dma_store_of_its_slot() -> None:
 
 def test_sm_copy_on_few_sms_copies_unaligned_rows_bit_exact() -> None:
     """Rows of 8200 bytes (not 16-byte multiples) take the kernel's byte loop, 4 teams a block."""
-    from transfer.cuda_copy import SmCopyBackend
+    from transfer.copy.cuda import SmCopyBackend
 
     engine, gpu, host = _small_page_rig(SmCopyBackend("cuda", sms=12), width=8200)
     try:
@@ -370,7 +371,7 @@ def test_sm_copy_on_few_sms_copies_unaligned_rows_bit_exact() -> None:
 
 
 def test_sm_copy_refuses_an_unpinned_pool() -> None:
-    from transfer.cuda_copy import SmCopyBackend
+    from transfer.copy.cuda import SmCopyBackend
 
     cache = allocate(layout("BLNHC"), num_blocks=4, device="cuda")
     pool = HostPool.create(layout("BLNHC"), num_slots=4, pinned=False)

@@ -8,8 +8,8 @@ import uuid
 import pytest
 import torch
 
-from kvconnector.allocator import allocate
-from kvconnector.layout import HOST_ALIGNMENT, KVLayout, round_up
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVLayout, round_up
 from transfer.engine import TransferEngine
 from transfer.pool import HostPool, block_major_twin
 

@@ -10,9 +10,9 @@ import uuid
 import pytest
 import torch
 
-from kvconnector import allocator
-from kvconnector.allocator import allocate, attach, unlink_shared
-from kvconnector.layout import KVLayout
+from kvconnector.layout import allocator
+from kvconnector.layout.allocator import allocate, attach, unlink_shared
+from kvconnector.layout.descriptor import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, block_size=16, dtype="bf16")
 
@@ -63,8 +63,8 @@ def test_pinned_without_cuda_is_refused():
 
 _CHILD = """
 import sys, torch
-from kvconnector.allocator import attach
-from kvconnector.layout import KVLayout
+from kvconnector.layout.allocator import attach
+from kvconnector.layout.descriptor import KVLayout
 layout = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, block_size=16, dtype="bf16")
 buf = attach(sys.argv[1], layout)
 chunks = buf.block_chunks()

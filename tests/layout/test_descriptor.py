@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvconnector.layout import KVForm, KVLayout, parse_dtype
+from kvconnector.layout.descriptor import KVForm, KVLayout, parse_dtype
 
 
 @pytest.mark.parametrize("layout,page,block", [

@@ -5,7 +5,7 @@ stride-reading kernel must give bit-identical output on the view and on a contig
 and a packed-page kernel (page address = block x page size, the upstream MLA bug) must read
 another layer through the same view while it still agrees on the contiguous copy.
 
-Default: `pytest -m gpu tests/test_gpu_kernels.py` on a CUDA machine (skipped without CUDA).
+Default: `pytest -m gpu tests/layout/test_gpu_kernels.py` on a CUDA machine (skipped without CUDA).
 Development on CPU: KVC_TRITON_INTERPRET_TEST=1 runs the same checks on smaller shapes under
 Triton's interpreter (the `gpu` mark is then left off so the tests run).
 """
@@ -24,12 +24,12 @@ import torch
 INTERPRET = os.environ.get("KVC_TRITON_INTERPRET_TEST") == "1"
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. on import
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from attention_kernels import paged_decode_attention, paged_decode_mla  # noqa: E402
 
-from kvconnector.layout import KVForm, KVLayout  # noqa: E402
-from kvconnector.views import layer_view  # noqa: E402
+from kvconnector.layout.descriptor import KVForm, KVLayout  # noqa: E402
+from kvconnector.layout.views import layer_view  # noqa: E402
 
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 

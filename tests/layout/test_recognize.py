@@ -1,4 +1,4 @@
-"""Tests for kvconnector.recognize: the block chunks behind per-layer KV cache tensors.
+"""Tests for kvconnector.layout.recognize: the block chunks behind per-layer KV cache tensors.
 
 Byte checks use an independent reference: the storage byte address of every byte a view covers,
 computed from the view's own offset and strides. The `vllm` tests feed the recogniser exactly
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvconnector.layout import BLOCK_MAJOR_ORDERS, KVForm, KVLayout
-from kvconnector.recognize import Recognition, recognize
-from kvconnector.views import ViewKind, layer_view
+from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS, KVForm, KVLayout
+from kvconnector.layout.recognize import Recognition, recognize
+from kvconnector.layout.views import ViewKind, layer_view
 
 NUM_BLOCKS = 5
 

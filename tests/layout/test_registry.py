@@ -7,19 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from registry_seeds import DSV4_INDEXERS, OPTED_IN, OPTED_OUT, SEEDED
 
-from kvconnector import registry
-from kvconnector.layout import BLOCK_MAJOR_ORDERS
-from kvconnector.registry import BackendEntry, ConstraintKind, decide
-from kvconnector.views import ViewKind
+from kvconnector.layout import registry
+from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
+from kvconnector.layout.registry import BackendEntry, ConstraintKind, decide
+from kvconnector.layout.views import ViewKind
 
-OPTED_IN = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA",
-            "CUTLASS_MLA", "FLASHINFER_MLA")
-DSV4_INDEXERS = ("DEEPSEEK_V4_INDEXER", "DEEPSEEK_V41_INDEXER", "DEEPSEEK_V41_SPARSE_INDEXER")
-OPTED_OUT = ("FLEX_ATTENTION", "CPU_ATTN", "CPU_MLA", "ROCM_ATTN", "ROCM_SEGMENTED_ATTN",
-             "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA",
-             "ROCM_AITER_MLA_SPARSE")
-SEEDED = OPTED_IN + DSV4_INDEXERS + OPTED_OUT
 # Backends whose modules need CUDA (or a CUDA-only extension) to import: vLLM 0.32's, and in 0.33
 # also ROCM_AITER_UNIFIED_ATTN (its module reads the GPU's architecture name at import).
 GPU_ONLY_032 = {"FLASHINFER", "FLASH_ATTN_MLA", "CUTLASS_MLA"}
@@ -188,7 +182,7 @@ def test_parse_compute_capability() -> None:
 # -- registration --------------------------------------------------------------------------------
 def test_register_a_backend(own_registry: None) -> None:
     entry = BackendEntry("MY_KERNEL", ViewKind.FLASH_ATTN, True,
-                         "our own kernel check: tests/test_gpu_kernels.py", ("BLHNC",))
+                         "our own kernel check: tests/layout/test_gpu_kernels.py", ("BLHNC",))
     assert recorded(["MY_KERNEL"]).layout is None
     registry.register_backend(entry)
     assert registry.lookup("MY_KERNEL") is entry
@@ -239,7 +233,7 @@ def test_backend_name_goes_by_class_path_not_get_name() -> None:
 
 # -- without vLLM --------------------------------------------------------------------------------
 def test_import_does_not_import_vllm() -> None:
-    code = ("import sys; from kvconnector import registry; "
+    code = ("import sys; from kvconnector.layout import registry; "
             "d = registry.decide(['FLASH_ATTN', 'FLASHINFER'], use_vllm=False); "
             "print(d.layout, sys.modules.get('vllm') is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -11,9 +11,9 @@ import itertools
 import pytest
 import torch
 
-from kvconnector.allocator import allocate
-from kvconnector.layout import ALL_ORDERS, BLOCK_MAJOR_ORDERS, KVForm, KVLayout
-from kvconnector.views import (
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import ALL_ORDERS, BLOCK_MAJOR_ORDERS, KVForm, KVLayout
+from kvconnector.layout.views import (
     ViewKind,
     canonical_strides,
     canonicalize_size1_strides,

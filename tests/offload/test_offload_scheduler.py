@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from kvconnector.offload_jobs import JobReport, StepJobs
-from kvconnector.offload_scheduler import OffloadScheduler
+from kvconnector.offload.jobs import JobReport, StepJobs
+from kvconnector.offload.scheduler import OffloadScheduler
 from transfer.keys import Namespace
 
 BS = 4

@@ -12,12 +12,12 @@ import threading
 import pytest
 import torch
 
-from kvconnector.allocator import allocate
-from kvconnector.layout import KVLayout
-from kvconnector.offload_jobs import StepJobs
-from kvconnector.offload_scheduler import OffloadScheduler
-from kvconnector.offload_worker import BLOCK_MAJOR, PER_LAYER, OffloadWorker, TransferEvents
-from transfer.copy_backends import ThreadBackend
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import KVLayout
+from kvconnector.offload.jobs import StepJobs
+from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.worker import BLOCK_MAJOR, PER_LAYER, OffloadWorker, TransferEvents
+from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
 
 BS = 4

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvconnector.allocator import allocate
-from kvconnector.layout import KVLayout
-from kvconnector.offload_jobs import JobReport
-from kvconnector.offload_scheduler import OffloadScheduler
-from kvconnector.offload_worker import OffloadWorker
-from kvconnector.remote_tier import RemoteFetcher, RemoteLookups, RemoteSettings
-from transfer.copy_backends import ThreadBackend
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import KVLayout
+from kvconnector.offload.jobs import JobReport
+from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups, RemoteSettings
+from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.worker import OffloadWorker
+from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
-from transfer.remote.client import StoreClient
-from transfer.remote.security import Security
-from transfer.remote.testing import StoreProcess
+from transfer.remote.store.client import StoreClient
+from transfer.remote.store.security import Security
+from transfer.remote.store.testing import StoreProcess
 
 BS = 4
 NS = Namespace(model="tiny", dtype="bfloat16", block_size=BS, block_layout="test")

@@ -21,12 +21,12 @@ pytest.importorskip("redis")
 import torch  # noqa: E402
 
 from transfer.remote.async_client import AsyncRemoteClient  # noqa: E402
-from transfer.remote.backend import open_backend  # noqa: E402
-from transfer.remote.connection import StoreError  # noqa: E402
-from transfer.remote.protocol import BlockStatus  # noqa: E402
-from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
-from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
-from transfer.remote.redis_values import HEADER_BYTES, RedisAuth, redis_key  # noqa: E402
+from transfer.remote.backend import BlockStatus  # noqa: E402
+from transfer.remote.factory import open_backend  # noqa: E402
+from transfer.remote.redis.backend import RedisClusterBackend  # noqa: E402
+from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis.values import HEADER_BYTES, RedisAuth, redis_key  # noqa: E402
+from transfer.remote.store.connection import StoreError  # noqa: E402
 
 pytestmark = pytest.mark.redis
 
@@ -183,7 +183,7 @@ def test_wrong_or_missing_credentials_are_refused_and_nothing_is_written(
 
 def test_bad_arguments_are_refused_before_anything_is_sent(
         redis_cluster: LocalRedisCluster) -> None:
-    from transfer.remote.security import Security
+    from transfer.remote.store.security import Security
 
     with pytest.raises(ValueError, match="needs a RedisAuth"):
         RedisClusterBackend(redis_cluster.url, Security.none(), namespace=NS)

@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("redis")
 
-from transfer.remote import redis_lanes  # noqa: E402
-from transfer.remote.redis_backend import DEFAULT_WORKERS  # noqa: E402
-from transfer.remote.redis_lanes import deal_lanes, default_workers  # noqa: E402
+from transfer.remote.redis import lanes as redis_lanes  # noqa: E402
+from transfer.remote.redis.backend import DEFAULT_WORKERS  # noqa: E402
+from transfer.remote.redis.lanes import deal_lanes, default_workers  # noqa: E402
 
 
 def test_default_workers_one_lane_per_master_only_where_no_core_is_spare(

@@ -1,4 +1,4 @@
-"""Redis value format, URL and credentials (transfer/remote/redis_values.py): no server needed."""
+"""Redis value format, URL and credentials (transfer/remote/redis/values.py): no server needed."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transfer.remote.protocol import BlockStatus
-from transfer.remote.redis_values import (
+from transfer.remote.backend import BlockStatus
+from transfer.remote.redis.values import (
     HEADER_BYTES,
     PASSWORD_ENV,
     RedisAuth,

@@ -1,4 +1,4 @@
-"""Block values over a node connection (transfer/remote/redis_wire.py): against a real cluster
+"""Block values over a node connection (transfer/remote/redis/wire.py): against a real cluster
 node, and the reply reader fed a byte at a time (which no real server can be made to do)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E4
 from redis.exceptions import MovedError, ResponseError  # noqa: E402
 from redis.exceptions import TimeoutError as RedisTimeoutError  # noqa: E402
 
-from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
-from transfer.remote.redis_wire import (  # noqa: E402
+from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis.wire import (  # noqa: E402
     _IOV_MAX,
     ValueTooLarge,
     _ReplyReader,

@@ -11,21 +11,20 @@ import zmq
 
 from transfer.keys import Namespace
 from transfer.remote.async_client import AsyncRemoteClient
-from transfer.remote.client import StoreClient, StoreError
-from transfer.remote.connection import Connection, Exchange
-from transfer.remote.protocol import (
-    BlockStatus,
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.client import StoreClient, StoreError
+from transfer.remote.store.connection import Connection, Exchange
+from transfer.remote.store.protocol import (
     ErrorCode,
     Limits,
     Op,
     Request,
-    block_checksum,
     decode_reply,
     decode_request,
     encode_error,
     encode_reply,
 )
-from transfer.remote.security import Security
+from transfer.remote.store.security import Security
 
 BLOCK = 64 << 10
 NONE = Security.none()

@@ -16,19 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer.keys import DIGEST_BYTES, Namespace
-from transfer.remote.client import StoreClient
-from transfer.remote.protocol import (
-    BlockStatus,
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.client import StoreClient
+from transfer.remote.store.protocol import (
     Limits,
     Op,
     Reply,
-    block_checksum,
     decode_reply,
     encode_request,
     reply_statuses,
 )
-from transfer.remote.security import Security
-from transfer.remote.testing import RawPeer, StoreProcess
+from transfer.remote.store.security import Security
+from transfer.remote.store.testing import RawPeer, StoreProcess
 
 MAX_BLOCK = 1 << 20  # the fuzzed store's block limit, and so its transport frame limit
 NONE = Security.none()

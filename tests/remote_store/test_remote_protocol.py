@@ -5,17 +5,16 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from kvconnector.cli.store import parse_size
 from transfer.keys import Namespace
-from transfer.remote.cli import parse_size
-from transfer.remote.protocol import (
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
-    BlockStatus,
     ErrorCode,
     Limits,
     Op,
     ProtocolError,
     RequestError,
-    block_checksum,
     decode_reply,
     decode_request,
     encode_error,

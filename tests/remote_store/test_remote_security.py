@@ -12,10 +12,11 @@ import zmq
 import zmq.auth
 
 from transfer.keys import Namespace
-from transfer.remote.client import StoreClient
-from transfer.remote.protocol import BlockStatus, Op, block_checksum, encode_request
-from transfer.remote.security import Security
-from transfer.remote.testing import RawPeer, StoreProcess
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.client import StoreClient
+from transfer.remote.store.protocol import Op, encode_request
+from transfer.remote.store.security import Security
+from transfer.remote.store.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10
 NS = Namespace("model-a", "bfloat16", 16, "BLNHC")

@@ -15,23 +15,17 @@ import pytest
 import torch
 import zmq
 
-from kvconnector.allocator import allocate
-from kvconnector.layout import KVLayout
+from kvconnector.cli import store as cli
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import KVLayout
 from transfer.keys import Namespace
-from transfer.remote import cli
-from transfer.remote import server as server_module
-from transfer.remote.client import StoreClient, StoreError
-from transfer.remote.protocol import (
-    BlockStatus,
-    Op,
-    block_checksum,
-    decode_reply,
-    encode_request,
-    reply_statuses,
-)
-from transfer.remote.security import Security
-from transfer.remote.server import VERIFY_INLINE_BYTES, StoreServer
-from transfer.remote.testing import RawPeer, StoreProcess
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store import server as server_module
+from transfer.remote.store.client import StoreClient, StoreError
+from transfer.remote.store.protocol import Op, decode_reply, encode_request, reply_statuses
+from transfer.remote.store.security import Security
+from transfer.remote.store.server import VERIFY_INLINE_BYTES, StoreServer
+from transfer.remote.store.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10  # at pyzmq's copy threshold: frames go zero-copy
 NONE = Security.none()

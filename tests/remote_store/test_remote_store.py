@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.remote.store import BlockStore
+from transfer.remote.store.memory import BlockStore
 
 
 def _block(fill: int, size: int = 100) -> bytearray:

@@ -1,7 +1,7 @@
 """CrossLayerOffloadConnector as vLLM 0.32 and 0.33 load it: its factory (both roles, from the
 module path), the layout it asks for, its options, the slot size, its stats and Prometheus
-metrics, hit sources, sleep mode and shutdown, through the harness's engine (tests/vllm_harness.py).
-The acceptance scenarios in every engine variant are in tests/test_vllm_scenarios.py.
+metrics, hit sources, sleep mode and shutdown, through the harness's engine (vllm_harness.py).
+The acceptance scenarios in every engine variant are in vllm_connector/test_vllm_scenarios.py.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from vllm_harness import (  # noqa: E402
     total_stats,
 )
 
-from kvconnector.offload_worker import PER_LAYER  # noqa: E402
-from kvconnector.vllm import (  # noqa: E402
+from kvconnector.offload.worker import PER_LAYER  # noqa: E402
+from kvconnector.vllm.connector import (  # noqa: E402
     CUDA_AUTO_BACKENDS,
     ConnectorOptions,
     CrossLayerOffloadConnector,
     _largest_pp_stage,
     required_layout,
 )
-from kvconnector.vllm_stats import OffloadStats  # noqa: E402
+from kvconnector.vllm.stats import OffloadStats  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 

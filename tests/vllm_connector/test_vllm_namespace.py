@@ -1,5 +1,5 @@
-"""kvconnector/vllm_namespace.py: which slot bytes share a name, and the keys each worker rank
-puts and gets under in a remote store (through vLLM in tests/test_vllm_remote.py)."""
+"""kvconnector/vllm/namespace.py: which slot bytes share a name, and the keys each worker rank
+puts and gets under in a remote store (through vLLM in vllm_connector/test_vllm_remote.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
 
-from kvconnector.vllm_namespace import rank_namespace, slot_order  # noqa: E402
+from kvconnector.vllm.namespace import rank_namespace, slot_order  # noqa: E402
 from transfer.keys import Namespace  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -1,5 +1,5 @@
 """A Redis Cluster as the connector's remote tier, through vLLM's real Scheduler (0.32 and 0.33) and
-AsyncScheduler (tests/vllm_harness.py), against a real 3-master cluster (tests/conftest.py).
+AsyncScheduler (vllm_harness.py), against a real 3-master cluster (tests/conftest.py).
 
 Two engines sharing the cluster behave as engines sharing a prefix, bit-exact (the harness
 compares every byte a request starts from); a master killed after the lookup makes the blocks it
@@ -19,10 +19,10 @@ pytest.importorskip("redis")
 import vllm_harness as h  # noqa: E402
 from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
-from kvconnector.vllm import ConnectorOptions  # noqa: E402
-from transfer.remote.redis_backend import RedisClusterBackend  # noqa: E402
-from transfer.remote.redis_local import LocalRedisCluster  # noqa: E402
-from transfer.remote.redis_values import RedisAuth, redis_key  # noqa: E402
+from kvconnector.vllm.connector import ConnectorOptions  # noqa: E402
+from transfer.remote.redis.backend import RedisClusterBackend  # noqa: E402
+from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from transfer.remote.redis.values import RedisAuth, redis_key  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.usefixtures("engines_shut_down")]
 

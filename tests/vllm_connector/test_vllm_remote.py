@@ -1,5 +1,5 @@
 """The remote store as the connector's second tier, through vLLM's real Scheduler and
-AsyncScheduler (0.32 and 0.33; tests/vllm_harness.py), against a real store server process.
+AsyncScheduler (0.32 and 0.33; vllm_connector/vllm_harness.py), against a real store server process.
 
 Two engines (two scheduler/worker sets) sharing one store behave as engines sharing a prefix,
 bit-exact (the harness compares every byte a request starts from); a store killed between lookup
@@ -22,14 +22,14 @@ import vllm_harness as h  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
-from kvconnector.vllm import (  # noqa: E402
+from kvconnector.vllm.connector import (  # noqa: E402
     ConnectorOptions,
     CrossLayerOffloadConnector,
 )
-from kvconnector.vllm_stats import OffloadStats  # noqa: E402
-from transfer.remote.client import StoreClient  # noqa: E402
-from transfer.remote.security import Security  # noqa: E402
-from transfer.remote.testing import StoreProcess  # noqa: E402
+from kvconnector.vllm.stats import OffloadStats  # noqa: E402
+from transfer.remote.store.client import StoreClient  # noqa: E402
+from transfer.remote.store.security import Security  # noqa: E402
+from transfer.remote.store.testing import StoreProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 

@@ -1,6 +1,6 @@
 """CrossLayerOffloadConnector inside vLLM 0.32 and 0.33, the acceptance scenarios: its Scheduler
 and AsyncScheduler, its cache allocation and worker-side driver, with a fake model forward
-(tests/vllm_harness.py).
+(vllm_connector/vllm_harness.py).
 
 Every scenario runs in each of VARIANTS: block-major (the connector's own BLNHC request) and the
 per-layer fallback (VLLM_KV_CACHE_LAYOUT=LBNHC), at TP 1 and TP 2 (two workers merged by vLLM's
@@ -13,7 +13,7 @@ with MLA caches (vLLM's MLA specs, one latent head a rank, TRITON_MLA the config
 and on vLLM 0.33 in a speculator's step order (transfer results taken before the stores, a
 drafter layer written in between). When a request (re)starts with computed tokens, its first
 forward compares every byte of them with what the fake model writes there
-(tests/vllm_fake_worker.py); the GPU caches are poisoned before loads.
+(vllm_connector/vllm_fake_worker.py); the GPU caches are poisoned before loads.
 """
 
 from __future__ import annotations

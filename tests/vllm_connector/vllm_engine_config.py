@@ -1,4 +1,4 @@
-"""What engine the vLLM harness (tests/vllm_harness.py) builds: the tiny model directory,
+"""What engine the vLLM harness (vllm_connector/vllm_harness.py) builds: the tiny model directory,
 `EngineSetup` and the VllmConfig made from it, the layers' KV cache specs and pipeline stages, and
 `Variant`, the engine shapes the scenarios run in.
 """

@@ -1,4 +1,4 @@
-"""The GPU side of the CPU vLLM engine in tests/vllm_harness.py: a worker with vLLM's cache
+"""The GPU side of the CPU vLLM engine in vllm_connector/vllm_harness.py: a worker with vLLM's cache
 allocation and worker-side connector driver, and a fake, deterministic model forward.
 
 The KV the fake model writes at position p (every layer, every rank) and the token it samples
@@ -32,7 +32,7 @@ from vllm.v1.request import Request
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from transfer.copy_backends import Gate, ThreadBackend
+from transfer.copy.base import Gate, ThreadBackend
 
 # vLLM 0.33's driver can take transfer results before the stores (see EngineSetup.speculator)
 DEFERS_FINALIZE = "defer_finalize" in inspect.signature(ActiveKVConnector.post_forward).parameters

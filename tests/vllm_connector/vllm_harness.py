@@ -6,7 +6,7 @@ Real: VllmConfig over a tiny local config.json (HF_HUB_OFFLINE=1); vLLM's layout
 or `AsyncScheduler`, with n-gram speculative decoding when asked (the drafts are the harness's);
 its worker-side connector driver (`ActiveKVConnector`, the V2 model runner's); its
 `KVOutputAggregator` across TP ranks. Stand-in: the model forward only
-(tests/vllm_fake_worker.py: a deterministic fake model, and the byte checks it allows).
+(vllm_connector/vllm_fake_worker.py: a deterministic fake model, and the byte checks it allows).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from vllm_fake_worker import (  # noqa: E402
     Worker,
 )
 
-from kvconnector.layout import HOST_ALIGNMENT, round_up  # noqa: E402
-from kvconnector.offload_worker import BLOCK_MAJOR, PER_LAYER  # noqa: E402
-from kvconnector.vllm import CrossLayerOffloadConnector  # noqa: E402
-from kvconnector.vllm_stats import OffloadStats  # noqa: E402
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up  # noqa: E402
+from kvconnector.offload.worker import BLOCK_MAJOR, PER_LAYER  # noqa: E402
+from kvconnector.vllm.connector import CrossLayerOffloadConnector  # noqa: E402
+from kvconnector.vllm.stats import OffloadStats  # noqa: E402
 
 try:  # vLLM 0.32
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups

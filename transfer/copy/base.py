@@ -10,7 +10,7 @@ A `Lane` runs row copies in submission order (a CUDA stream, or a worker thread 
 after the `Completion`s it names; `submit` returns a Completion at once and never blocks.
 A `CopyBackend` makes lanes. The CPU backend here runs copies on threads and takes a `gate` that
 tests use to hold a job in flight; the CUDA backends (batched DMA, SM kernel) live in
-`transfer.cuda_copy` and are imported only when asked for.
+`transfer.copy.cuda` and are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -220,23 +220,3 @@ class ThreadBackend(CopyBackend):
 
     def new_lane(self) -> Lane:
         return _ThreadLane(self._gate)
-
-
-BACKENDS = ("auto", "thread", "dma", "sm")
-
-
-def make_backend(kind: str = "auto", device: str | torch.device = "cpu") -> CopyBackend:
-    """The backend `kind` for `device`: "auto" is "thread" on CPU and, on CUDA, batched DMA with
-    small-page loads on a few SMs (transfer.cuda_copy.AutoCudaBackend)."""
-    device = torch.device(device)
-    if kind not in BACKENDS:
-        raise ValueError(f"unknown copy backend {kind!r}; known: {BACKENDS}")
-    if kind == "thread" or (kind == "auto" and device.type != "cuda"):
-        return ThreadBackend()
-    if device.type != "cuda":
-        raise ValueError(f"copy backend {kind!r} needs a CUDA device, got {device}")
-    from transfer import cuda_copy  # lazy: cuda-bindings and cupy exist only on GPU machines
-
-    backends = {"auto": cuda_copy.AutoCudaBackend, "dma": cuda_copy.DmaBackend,
-                "sm": cuda_copy.SmCopyBackend}
-    return backends[kind](device)

@@ -26,8 +26,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from transfer.copy_backends import Completion, CopyBackend, Lane, RowCopy, Segment
-from transfer.cuda_driver import (
+from transfer.copy.base import Completion, CopyBackend, Lane, RowCopy, Segment
+from transfer.copy.cuda_driver import (
     PREFER_OVERLAP_WITH_COMPUTE,
     SRC_ORDER_STREAM,
     BatchCopy,

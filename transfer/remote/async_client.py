@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from transfer.remote.backend import RemoteBackend, TransferResult, open_backend
-from transfer.remote.connection import StoreError
+from transfer.remote.backend import RemoteBackend, TransferResult
+from transfer.remote.factory import open_backend
+from transfer.remote.store.connection import StoreError
 
 _Job = tuple[Future, float | None, str, tuple[Any, ...]]
 

@@ -1,10 +1,10 @@
 """The client side of a remote tier: one interface, two backends, chosen by URL.
 
-- `tcp://host:port`: our block store (transfer.remote.client.StoreClient, zmq + msgpack);
-  credentials: a transfer.remote.security.Security.
+- `tcp://host:port`: our block store (transfer.remote.store.client.StoreClient, zmq + msgpack);
+  credentials: a transfer.remote.store.security.Security.
 - `redis://[user@]host:port[,host:port...]` or `rediss://...` (TLS): a Redis Cluster
-  (transfer.remote.redis_backend.RedisClusterBackend, redis-py's cluster client);
-  credentials: a transfer.remote.redis_backend.RedisAuth.
+  (transfer.remote.redis.backend.RedisClusterBackend, redis-py's cluster client);
+  credentials: a transfer.remote.redis.backend.RedisAuth.
 
 Both move whole blocks between a pool (a 2-D uint8 CPU tensor, one row per slot) and the store
 for one namespace, in batches, with a timeout, and report per block: a slot holds its block iff
@@ -18,18 +18,35 @@ import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from transfer.keys import DIGEST_BYTES, Namespace
-from transfer.remote.protocol import MAX_KEY_BYTES, BlockStatus
 
 if TYPE_CHECKING:
     import torch
 
-ZMQ_SCHEMES = ("tcp",)
-REDIS_SCHEMES = ("redis", "rediss")
+# Keys travel as msgpack bytes (our store) or as part of a Redis key: bounded for both.
+MAX_KEY_BYTES = 256
+
+
+class BlockStatus(str, Enum):
+    """Outcome for one block of a put or get."""
+
+    OK = "ok"
+    MISSING = "missing"  # get: the store does not hold the key
+    CORRUPT = "corrupt"  # the bytes do not match the checksum
+    SIZE = "size"  # a frame is not the size declared, or not the size of a pool block
+    FULL = "full"  # put: no room without evicting blocks that are being sent
+    FAILED = "failed"  # client side only: no usable reply (timeout, lost connection, refusal)
+
+
+def block_checksum(block: Any, key: bytes) -> int:
+    """xxh3-64 of a block's bytes (any buffer), seeded by its key so bytes and key are bound."""
+    return xxhash.xxh3_64_intdigest(block, seed=xxhash.xxh3_64_intdigest(key))
 
 
 @dataclass(frozen=True)
@@ -167,22 +184,6 @@ class RemoteBackend(ABC):
         busy = self.pinned_slots.intersection(slots)
         if busy:
             raise ValueError(f"slots {sorted(busy)} are still being sent by an earlier put")
-
-
-def open_backend(url: str, credentials: Any, **options: Any) -> RemoteBackend:
-    """The backend for `url`'s scheme; `options` are namespace, pool, timeout_s and the
-    backend's own (ValueError for a scheme we don't speak or credentials of the wrong kind)."""
-    scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme in ZMQ_SCHEMES:
-        from transfer.remote.client import StoreClient
-
-        return StoreClient(url, credentials, **options)
-    if scheme in REDIS_SCHEMES:
-        from transfer.remote.redis_backend import RedisClusterBackend
-
-        return RedisClusterBackend(url, credentials, **options)
-    raise ValueError(f"remote URL {url!r}: the scheme must be one of "
-                     f"{ZMQ_SCHEMES + REDIS_SCHEMES}")
 
 
 def check_positive(name: str, value: Any) -> None:

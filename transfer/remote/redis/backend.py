@@ -1,8 +1,8 @@
 """Blocks in a Redis Cluster (or Valkey), through redis-py's cluster client.
 
-Each block is one value (transfer.remote.redis_values: header + bytes) under `kvc:` + its key.
+Each block is one value (transfer.remote.redis.values: header + bytes) under `kvc:` + its key.
 A batch is split by the node that owns each key's hash slot, and each node's share runs as
-pipelines of at most `batch_bytes` (transfer.remote.redis_wire: values never copied into Python
+pipelines of at most `batch_bytes` (transfer.remote.redis.wire: values never copied into Python
 objects) on a small thread pool, so the masters work in parallel and a dead or slow node fails
 only its own blocks: its blocks get FAILED (load errors; misses for a lookup), the others
 complete. No call outlives its timeout: node
@@ -38,11 +38,9 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from transfer.keys import Namespace
-from transfer.remote.backend import RemoteBackend, TransferResult, check_positive
-from transfer.remote.connection import StoreError
-from transfer.remote.protocol import BlockStatus
-from transfer.remote.redis_lanes import Gate, Lane, deal_lanes, default_workers, run_lane
-from transfer.remote.redis_values import (
+from transfer.remote.backend import BlockStatus, RemoteBackend, TransferResult, check_positive
+from transfer.remote.redis.lanes import Gate, Lane, deal_lanes, default_workers, run_lane
+from transfer.remote.redis.values import (
     HEADER_BYTES,
     VALUE_VERSION,
     RedisAuth,
@@ -52,7 +50,8 @@ from transfer.remote.redis_values import (
     redis_key,
     value_header,
 )
-from transfer.remote.redis_wire import ValueTooLarge, get_values, set_values
+from transfer.remote.redis.wire import ValueTooLarge, get_values, set_values
+from transfer.remote.store.connection import StoreError
 
 if TYPE_CHECKING:
     import torch

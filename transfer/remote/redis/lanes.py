@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from transfer.remote.redis_wire import checked_out
+from transfer.remote.redis.wire import checked_out
 
 # A node's client and pipelines (lists of key indices): all of the node's, or a lane's, which
 # one pool thread runs in turn on one connection

@@ -30,8 +30,8 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from transfer.remote import redis_certs
-from transfer.remote.redis_nodes import HOST, NodeProcesses, free_ports, node_config
+from transfer.remote.redis import certs as redis_certs
+from transfer.remote.redis.nodes import HOST, NodeProcesses, free_ports, node_config
 
 START_TIMEOUT_S = 15.0
 CONVERGE_TIMEOUT_S = 30.0

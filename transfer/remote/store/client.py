@@ -27,23 +27,27 @@ import numpy as np
 import zmq
 
 from transfer.keys import Namespace
-from transfer.remote.backend import RemoteBackend, TransferResult, check_positive
-from transfer.remote.connection import Connection, Exchange, StoreError
-from transfer.remote.protocol import (
-    FRAME_SLACK_BYTES,
+from transfer.remote.backend import (
     BlockStatus,
+    RemoteBackend,
+    TransferResult,
+    block_checksum,
+    check_positive,
+)
+from transfer.remote.store.connection import Connection, Exchange, StoreError
+from transfer.remote.store.protocol import (
+    FRAME_SLACK_BYTES,
     Limits,
     Op,
     ProtocolError,
     Reply,
-    block_checksum,
     encode_request,
     reply_bools,
     reply_count,
     reply_statuses,
     reply_uints,
 )
-from transfer.remote.security import Security, tcp_host
+from transfer.remote.store.security import Security, tcp_host
 
 if TYPE_CHECKING:
     import torch

@@ -21,8 +21,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer.remote.protocol import ProtocolError, Reply, decode_reply
-from transfer.remote.security import Security
+from transfer.remote.store.protocol import ProtocolError, Reply, decode_reply
+from transfer.remote.store.security import Security
 
 # plain ints: operators on pyzmq's enum flags run Python code, a cost on every request
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)

@@ -20,12 +20,11 @@ from enum import Enum
 from typing import Any
 
 import msgpack
-import xxhash
 
 from transfer.keys import DIGEST_BYTES
+from transfer.remote.backend import MAX_KEY_BYTES, BlockStatus
 
 PROTOCOL_VERSION = 1
-MAX_KEY_BYTES = 256
 # ZMQ_MAXMSGSIZE counts a frame as it travels: CURVE wraps each frame in a larger MESSAGE command
 FRAME_SLACK_BYTES = 4096
 _UINT64_LIMIT = 1 << 64
@@ -42,17 +41,6 @@ class Op(str, Enum):
 
 
 KEY_OPS = frozenset({Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE})
-
-
-class BlockStatus(str, Enum):
-    """Outcome for one block of a put or get."""
-
-    OK = "ok"
-    MISSING = "missing"  # get: the store does not hold the key
-    CORRUPT = "corrupt"  # the bytes do not match the checksum
-    SIZE = "size"  # a frame is not the size declared, or not the size of a pool block
-    FULL = "full"  # put: no room without evicting blocks that are being sent
-    FAILED = "failed"  # client side only: no usable reply (timeout, lost connection, refusal)
 
 
 WIRE_STATUSES = frozenset(s.value for s in BlockStatus if s is not BlockStatus.FAILED)
@@ -125,11 +113,6 @@ class RequestError(Exception):
 
 class ProtocolError(Exception):
     """A reply that does not follow the protocol."""
-
-
-def block_checksum(block: Any, key: bytes) -> int:
-    """xxh3-64 of a block's bytes (any buffer), seeded by its key so bytes and key are bound."""
-    return xxhash.xxh3_64_intdigest(block, seed=xxhash.xxh3_64_intdigest(key))
 
 
 def _pack(header: dict[str, Any]) -> bytes:

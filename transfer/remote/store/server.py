@@ -1,4 +1,4 @@
-"""The store server: one ROUTER socket, one thread, blocks in memory (transfer.remote.store).
+"""The store server: one ROUTER socket, one thread, blocks in memory (transfer.remote.store.memory).
 
 Requests are served one message at a time in arrival order, so clients interleave at request
 granularity; zmq's IO thread does the socket work. Blocks are received zero-copy (the store keeps
@@ -26,21 +26,20 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer.remote.protocol import (
+from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.memory import BlockStore, StoredBlock
+from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
-    BlockStatus,
     ErrorCode,
     Limits,
     Op,
     Request,
     RequestError,
-    block_checksum,
     decode_request,
     encode_error,
     encode_reply,
 )
-from transfer.remote.security import Security, tcp_host
-from transfer.remote.store import BlockStore, StoredBlock
+from transfer.remote.store.security import Security, tcp_host
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Test helpers: a store server in a child process (start, SIGKILL, restart) and a bare peer.
 
-StoreProcess runs `python -m transfer.remote.cli store serve ...` (the `kvconnector store serve`
+StoreProcess runs `python -m kvconnector.cli.store store serve ...` (the `kvconnector store serve`
 command without the torch import) on a free loopback port; the child's log goes to a file.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import zmq
 
-from transfer.remote.security import Security
+from transfer.remote.store.security import Security
 
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
@@ -43,7 +43,7 @@ class StoreProcess:
         if self.process is not None:
             self.process.stdout.close()  # the previous run's pipe
         listen = self.url or "tcp://127.0.0.1:*"
-        command = [sys.executable, "-m", "transfer.remote.cli", "store", "serve", "--listen",
+        command = [sys.executable, "-m", "kvconnector.cli.store", "store", "serve", "--listen",
                    listen, "--capacity", self.capacity, *self.security_args, *self.extra_args]
         # the child imports this very `transfer` package, wherever the parent found it
         path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))

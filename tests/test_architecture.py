@@ -1,0 +1,159 @@
+"""The parts' import rules, read from the source with `ast` (lazy and TYPE_CHECKING imports count).
+
+- the layout core (`kvconnector.layout`) imports neither `transfer` nor vLLM nor any other part;
+- `transfer` imports, of `kvconnector`, only the layout core, and never vLLM;
+- the offload cores (`kvconnector.offload`) are vLLM-free;
+- nothing below the adapter (`kvconnector.vllm`) imports it, the benchmark and the CLI included;
+- no two modules reach each other through imports (no cycles).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kvconnector", "transfer")
+
+# module prefix -> imports it may not make (prefixes; "vllm" is the vLLM package itself)
+FORBIDDEN = {
+    "kvconnector.layout": ("transfer", "vllm", "kvconnector.offload", "kvconnector.vllm",
+                           "kvconnector.cli", "kvconnector.bench"),
+    "transfer": ("vllm", "kvconnector.offload", "kvconnector.vllm", "kvconnector.cli",
+                 "kvconnector.bench"),
+    "kvconnector.offload": ("vllm", "kvconnector.vllm", "kvconnector.cli", "kvconnector.bench"),
+    "kvconnector.bench": ("vllm", "kvconnector.vllm"),
+    "kvconnector.cli": ("vllm", "kvconnector.vllm"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_sources() -> dict[str, str]:
+    return {module_name(p): p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(name: str, source: str, known: Iterable[str]) -> set[str]:
+    """Every module `source` imports, anywhere in it; `from a import b` names `a.b` when that
+    is a module of ours, else `a`."""
+    known = set(known)
+    package = name if f"{name}.__init__" in known else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return found
+
+
+def violations(sources: Mapping[str, str]) -> list[str]:
+    """Broken layering rules and import cycles among `sources` (module name -> source)."""
+    known = set(sources)
+    graph = {name: imports_of(name, text, known) for name, text in sources.items()}
+    found = []
+    for name, targets in sorted(graph.items()):
+        for prefix, banned in FORBIDDEN.items():
+            if name == prefix or name.startswith(prefix + "."):
+                found += [f"{name} imports {t}" for t in sorted(targets)
+                          if any(t == b or t.startswith(b + ".") for b in banned)]
+    found += [f"import cycle: {' -> '.join(c)}" for c in cycles(
+        {n: {t for t in ts if t in known and t != n} for n, ts in graph.items()})]
+    return found
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph.get(node, ())):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_tree_keeps_the_import_rules() -> None:
+    sources = project_sources()
+    assert {"kvconnector.layout.allocator", "transfer.pool", "kvconnector.vllm.connector",
+            "transfer.copy.factory", "transfer.remote.factory"} <= set(sources)
+    assert violations(sources) == []
+
+
+@pytest.mark.parametrize(("sources", "expected"), [
+    ({"kvconnector.layout.views": "from transfer.pool import HostPool",
+      "transfer.pool": ""}, ["kvconnector.layout.views imports transfer.pool"]),
+    ({"transfer.pool": "def f():\n    import kvconnector.vllm.options\n",
+      "kvconnector.vllm.options": ""},
+     ["transfer.pool imports kvconnector.vllm.options"]),
+    ({"kvconnector.offload.worker": "if True:\n    from vllm.config import VllmConfig\n"},
+     ["kvconnector.offload.worker imports vllm.config"]),
+    ({"kvconnector.bench.movers": "from kvconnector.vllm import connector",
+      "kvconnector.vllm.connector": ""},
+     ["kvconnector.bench.movers imports kvconnector.vllm.connector"]),
+    ({"transfer.copy.base": "def f():\n    from transfer.copy import cuda\n",
+      "transfer.copy.cuda": "from transfer.copy.base import Lane",
+      "transfer.copy": ""}, ["import cycle: transfer.copy.base -> transfer.copy.cuda"]),
+])
+def test_the_check_finds_each_kind_of_violation(sources: dict[str, str],
+                                                expected: list[str]) -> None:
+    assert violations(sources) == expected
+
+
+def test_importing_a_lower_part_loads_no_upper_one() -> None:
+    # What the interpreter really loads, parent packages' __init__ included.
+    code = (
+        "import sys\n"
+        "import kvconnector.layout, kvconnector.layout.recognize, kvconnector.layout.registry\n"
+        "core = sorted(m for m in sys.modules if m.split('.')[0] in ('transfer', 'vllm')\n"
+        "              or m.startswith(('kvconnector.offload', 'kvconnector.vllm.')))\n"
+        "import transfer.pool, transfer.engine, transfer.block_index, transfer.copy.factory\n"
+        "import transfer.remote.factory, transfer.remote.async_client\n"
+        "up = sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.startswith(\n"
+        "    ('kvconnector.offload', 'kvconnector.vllm', 'kvconnector.cli',\n"
+        "     'kvconnector.bench')))\n"
+        "print(core, up)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[] []"
