@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 # subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
 _SUBCOMMANDS = {
@@ -26,6 +25,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
