@@ -8,27 +8,8 @@ adapter), `kvconnector.cli` and `kvconnector.bench`.
 Importing this package never imports CUDA-only modules (cupy, cuda-bindings) or vLLM.
 """
 
-from kvconnector.layout import (
-    BLOCK_MAJOR_ORDERS,
-    LAYER_MAJOR_ORDERS,
-    KVBuffer,
-    KVForm,
-    KVLayout,
-    ViewKind,
-    allocate,
-    layer_view,
-    layer_views,
-)
+# The public names are the layout core's (KVLayout, allocate, layer_view, ...).
+from kvconnector.layout import *  # noqa: F403
+from kvconnector.layout import __all__  # noqa: F401
 
-__all__ = [
-    "BLOCK_MAJOR_ORDERS",
-    "LAYER_MAJOR_ORDERS",
-    "KVBuffer",
-    "KVForm",
-    "KVLayout",
-    "ViewKind",
-    "allocate",
-    "layer_view",
-    "layer_views",
-]
 __version__ = "0.1.0"
