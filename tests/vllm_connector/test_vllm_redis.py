@@ -35,8 +35,9 @@ def make_engine(model_dir: str, cluster: LocalRedisCluster, async_scheduling: bo
     config = {"cpu_bytes": 64 * h.block_bytes(tp), "remote_url": cluster.url,
               "remote_redis_password_file": str(password_file or cluster.password_file),
               # A new engine's first lookup waits for its client to read the slot map: on a
-              # busy 2-core runner that took 0.65 s once, against 0.1-0.2 s usually.
-              "remote_lookup_deadline_s": 2.0, "remote_timeout_s": 2.0}
+              # busy 2-core runner that took 0.65 s once, against 0.1-0.2 s usually. A dead
+              # master or a wrong password fails at once, so no test waits these out.
+              "remote_lookup_deadline_s": 10.0, "remote_timeout_s": 10.0}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, extra_config=config))
 

@@ -35,8 +35,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
 BS = h.BLOCK_SIZE
 MAX_STEPS = h.REMOTE_MAX_STEPS
-LOOKUP_DEADLINE_S = 0.2
-TIMEOUT_S = 1.0
+# A live store: only its answer ends a lookup or a get, so a busy 2-core runner cannot turn a hit
+# into a miss. A dead, stopped or refusing store: short bounds, which the tests wait out.
+LIVE_DEADLINE_S = LIVE_TIMEOUT_S = 30.0
+DOWN_DEADLINE_S, DOWN_TIMEOUT_S = 0.2, 1.0
+DOWN = {"remote_lookup_deadline_s": DOWN_DEADLINE_S, "remote_timeout_s": DOWN_TIMEOUT_S}
 SCHEDULERS = [pytest.param(False, id="Scheduler"), pytest.param(True, id="AsyncScheduler")]
 
 
@@ -50,7 +53,8 @@ def make_engine(model_dir: str, url: str, async_scheduling: bool = False, tp: in
                 cpu_slots: int = 64, pp: int = 1, num_gpu_blocks: int = 64, mla: bool = False,
                 **extra: object) -> h.Engine:
     config = {"cpu_bytes": cpu_slots * h.block_bytes(tp, mla), "remote_url": url,
-              "remote_lookup_deadline_s": LOOKUP_DEADLINE_S, "remote_timeout_s": TIMEOUT_S, **extra}
+              "remote_lookup_deadline_s": LIVE_DEADLINE_S, "remote_timeout_s": LIVE_TIMEOUT_S,
+              **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                   num_gpu_blocks=num_gpu_blocks, mla=mla, extra_config=config))
@@ -148,7 +152,8 @@ def test_store_killed_between_lookup_and_load_recomputes(
     first = make_engine(model_dir, store.url, async_scheduling, tp)
     prompt = make_prompt(4, 3 * BS + 5)
     run_to_completion(first, {"a": (prompt, 2)})
-    second = make_engine(model_dir, store.url, async_scheduling, tp)
+    second = make_engine(model_dir, store.url, async_scheduling, tp,
+                         remote_timeout_s=DOWN_TIMEOUT_S)  # the lookup waits for its answer
     poison_gpu(second)
     core = second.connector._scheduler
     on_planned_load(second, store.kill)  # the lookup said yes; the get will find no store
@@ -221,15 +226,17 @@ def test_block_evicted_between_lookup_and_load_keeps_the_head(
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
 def test_store_down_at_lookup_serves_from_the_cpu_tier_without_stalling(
         model_dir: str, store: StoreProcess, async_scheduling: bool) -> None:
-    engine = make_engine(model_dir, store.url, async_scheduling)
+    engine = make_engine(model_dir, store.url, async_scheduling,
+                         remote_timeout_s=DOWN_TIMEOUT_S)  # its puts will find no store
     prompt = make_prompt(5, 4 * BS)
     run_to_completion(engine, {"a": (prompt, 2)})
     store.kill()
     assert engine.scheduler.reset_prefix_cache()
     poison_gpu(engine)
+    lookups = engine.connector._remote_lookups
+    lookups.deadline_s = DOWN_DEADLINE_S  # the first request's lookup waited for a live store
     shares_two = prompt[:2 * BS] + make_prompt(6, 2 * BS)
     fresh = make_prompt(7, 3 * BS)
-    lookups = engine.connector._remote_lookups
     lookups.backoff_s = 60.0  # once down, the store stays "down" for the rest of the test
     started = time.monotonic()
     run_to_completion(engine, {"b": (shares_two, 2), "c": (fresh, 2)})
@@ -237,8 +244,9 @@ def test_store_down_at_lookup_serves_from_the_cpu_tier_without_stalling(
     assert engine.workers[0].starts["b"] == [2 * BS]  # the CPU tier's part, then computed
     assert engine.workers[0].starts["c"] == [0]  # recomputed
     assert lookups.failures == 2  # b and c asked in the same step; both waited the deadline
-    # One lookup deadline (then the store counts as down), plus puts bounded by their timeout.
-    assert elapsed < LOOKUP_DEADLINE_S + 2 * TIMEOUT_S + 3.0, elapsed
+    # One lookup deadline (then the store counts as down), plus puts bounded by their timeout
+    # (a bound generous for a busy 2-core runner: a stall would wait out nothing short).
+    assert elapsed < 10 * (DOWN_DEADLINE_S + 2 * DOWN_TIMEOUT_S) + 10.0, elapsed
     # A request arriving while the store is known down is not delayed at all.
     request = engine.add("d", make_prompt(8, 2 * BS), max_tokens=1)
     assert engine.connector.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -262,7 +270,7 @@ def test_shared_secret_store_admits_the_engine_and_a_wrong_secret_recomputes(
         assert second.workers[0].starts["b"] == [2 * BS]
         # A wrong secret is refused: nothing found, nothing stored, the request recomputed.
         intruder = make_engine(model_dir, store.url, remote_security="secret",
-                               remote_secret_file=str(tmp_path / "wrong"))
+                               remote_secret_file=str(tmp_path / "wrong"), **DOWN)
         run_to_completion(intruder, {"c": (prompt, 2)})
         assert intruder.workers[0].starts["c"] == [0]
         assert intruder.connector._remote_lookups.failures == 1
