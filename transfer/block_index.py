@@ -25,7 +25,7 @@ handed out again, and data that a reset meant to discard is never revived.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from transfer.eviction import ARCPolicy, EvictionPolicy, LRUPolicy
@@ -40,13 +40,15 @@ class StorePlan:
     them, then the caller reports complete_store. `not_placed` needed a slot and got none (every
     other slot busy, or a removed key still draining); placed keys are always a prefix of the keys
     that needed a slot. Keys already stored or being stored are in neither list. `evicted` are the
-    stored keys evicted to make room, in eviction order.
+    stored keys evicted to make room, in eviction order, and `evicted_slots` the slots they held
+    (now some placed key's: a tier below may still copy the old bytes out first).
     """
 
     keys: list[bytes]
     slots: list[int]
     not_placed: list[bytes]
     evicted: list[bytes]
+    evicted_slots: list[int]
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,11 @@ class BlockIndex:
         return len(self._free)
 
     @property
+    def num_reclaimable(self) -> int:
+        """Slots a store could take now: free ones and those of stored, idle keys."""
+        return len(self._free) + self._num_idle
+
+    @property
     def num_draining(self) -> int:
         """Removed keys whose slots wait for their in-flight loads or store."""
         return len(self._draining)
@@ -176,16 +183,19 @@ class BlockIndex:
 
         slot_of: dict[bytes, int] = {}
         evicted: list[bytes] = []
+        evicted_slots: list[int] = []
         for key in reversed(placed):  # tail first: the head of the prefix ends most recent
             victim = self.policy.admit(key, not self._free, can_evict)
             if victim is not None:
                 self._free.append(self._entries.pop(victim).slot)
                 self._num_idle -= 1
                 evicted.append(victim)
+                evicted_slots.append(self._free[-1])
             slot_of[key] = self._free.pop()
             self._entries[key] = _Entry(slot_of[key])
         self._stats.evictions += len(evicted)
-        return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted)
+        return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted,
+                         evicted_slots)
 
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
         """Finish stores begun by prepare_store: ok keys become readable, failed ones free their
@@ -253,6 +263,26 @@ class BlockIndex:
                 entry = self._entries[key]
                 entry.pins -= 1
                 self._num_idle += entry.idle
+
+    def restore(self, stored: Mapping[bytes, int]) -> None:
+        """Adopt keys found stored in given slots (a persistent tier after a restart) into an
+        empty index, as stored and idle, each slot's key most recent in slot order."""
+        if self._entries or self._draining or len(self._free) != self.num_slots:
+            raise ValueError("restore needs an empty index")
+        keys = self._checked_keys(list(stored))
+        slots = list(stored.values())
+        for slot in slots:
+            if isinstance(slot, bool) or not isinstance(slot, int) \
+                    or not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot!r} out of range [0, {self.num_slots})")
+        if len(set(slots)) != len(slots):
+            raise ValueError("two keys restored into one slot")
+        for key, slot in sorted(zip(keys, slots, strict=True), key=lambda pair: pair[1]):
+            self.policy.admit(key, False, lambda _: False)
+            self._entries[key] = _Entry(slot, storing=False)
+        taken = set(slots)
+        self._free = [slot for slot in self._free if slot not in taken]
+        self._num_idle = len(keys)
 
     # ---- removal -------------------------------------------------------------------------
 

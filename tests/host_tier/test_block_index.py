@@ -176,7 +176,8 @@ def test_pool_full_of_pinned_places_nothing_and_overwrites_nothing(policy: str) 
     store(index, "A B")
     pinned = index.prepare_load(keys("A B"))
     plan = index.prepare_store(keys("C D"))
-    assert plan == StorePlan(keys=[], slots=[], not_placed=keys("C D"), evicted=[])
+    assert plan == StorePlan(keys=[], slots=[], not_placed=keys("C D"), evicted=[],
+                             evicted_slots=[])
     assert index.prepare_load(keys("A B")).slots == pinned.slots  # still there, same slots
     index.complete_load(keys("A B"))
     index.complete_load(keys("A B"))  # two loads pinned twice: now idle
@@ -365,6 +366,44 @@ def test_stats_count_lookups_stores_evictions() -> None:
     assert index.lookup_prefix(keys("A D C")) == 2
     assert index.lookup_prefix(keys("B")) == 0
     assert index.stats == IndexStats(hits=2, misses=2, stores=3, evictions=1, failed_stores=1)
+
+
+def test_evicted_slots_are_the_victims_slots_now_given_to_placed_keys() -> None:
+    index = BlockIndex(NS, 3, "lru")
+    first = store(index, "A B C")
+    slot_of = dict(zip(names(first.keys).split(), first.slots, strict=True))
+    load(index, "B")  # LRU order: A C B (one call admits C, B, A: A is the most recent)
+    plan = store(index, "D E")
+    assert plan.evicted_slots == [slot_of[name] for name in names(plan.evicted).split()]
+    assert sorted(plan.slots) == sorted(plan.evicted_slots)
+    assert index.num_reclaimable == 3 and index.num_free == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_restore_adopts_stored_keys_in_their_slots(policy: str) -> None:
+    index = BlockIndex(NS, 5, policy)
+    index.restore({key("A"): 3, key("B"): 0})
+    assert index.lookup_prefix(keys("B A")) == 2
+    assert index.num_free == 3 and index.num_reclaimable == 5
+    plan = store(index, "C D E")
+    assert sorted(plan.slots) == [1, 2, 4] and not plan.evicted
+    # Restored keys are the oldest (slot order: B then A) and evictable.
+    assert store(index, "F").evicted == keys("B") and store(index, "G").evicted == keys("A")
+    assert index.prepare_load(keys("C")).slots == plan.slots[:1]
+
+
+def test_restore_refuses_bad_input_and_a_used_index() -> None:
+    index = BlockIndex(NS, 4)
+    with pytest.raises(ValueError, match="out of range"):
+        index.restore({key("A"): 4})
+    with pytest.raises(ValueError, match="one slot"):
+        index.restore({key("A"): 1, key("B"): 1})
+    with pytest.raises(ValueError, match="namespace"):
+        index.restore({OTHER_NS.key(b"A"): 1})
+    assert index.num_free == 4 and len(index) == 0
+    store(index, "A")
+    with pytest.raises(ValueError, match="empty index"):
+        index.restore({key("B"): 2})
 
 
 @pytest.mark.parametrize("module", [block_index_module, eviction_module])

@@ -1,0 +1,247 @@
+"""Disk I/O threads: whole blocks between pool slots and a slab, many requests in flight.
+
+Two-phase like the copy engine: `submit_write` / `submit_read` queue a job of blocks and return
+at once; `get_finished` reports each job once, with one flag per block (a full disk, EIO or a
+bad checksum fails that block only). `threads` requests run at once (os.preadv/os.pwritev release
+the GIL); reads go before queued writes (a read is a hit someone waits for). Writes queued or
+running are bounded by `max_write_bytes`: past it a write job is refused whole (reported failed,
+nothing written); reads are bounded by the pool slots the caller reserves for them.
+
+The caller orders jobs that touch one pool slot (a read into a slot a write still reads from
+must wait for it): jobs here run in any order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from transfer.disk.slab import ALIGN, FOOTER_BYTES, DiskError, SlabFile, aligned_buffer
+
+DEFAULT_THREADS = 8
+DEFAULT_MAX_WRITE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class DiskResult:
+    """One finished job: per-block `ok` flags, `nbytes` of the good blocks."""
+
+    job_id: int
+    is_write: bool
+    ok: tuple[bool, ...]
+    nbytes: int
+
+
+@dataclass
+class _Job:
+    job_id: int
+    is_write: bool
+    keys: tuple[bytes, ...]
+    disk_slots: tuple[int, ...]
+    pool_slots: tuple[int, ...]
+    ok: list[bool]
+    left: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class DiskCounters:
+    """Bytes moved and the seconds each direction had requests in flight (GB/s = the ratio)."""
+
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    failed_reads: int = 0  # blocks
+    failed_writes: int = 0  # blocks, refused ones included
+
+
+class DiskIO:
+    """Moves blocks between the rows of `pool` ((num_slots, block_bytes) uint8, page-aligned rows
+    of a stride equal to the slab's data bytes) and `slab` (see module doc)."""
+
+    def __init__(self, slab: SlabFile, pool: torch.Tensor, threads: int = DEFAULT_THREADS,
+                 max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES) -> None:
+        if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.device.type != "cpu":
+            raise ValueError(f"the pool must be 2-D uint8 host rows, got {pool.dtype} "
+                             f"{tuple(pool.shape)} on {pool.device}")
+        if pool.shape[1] != slab.block_bytes or pool.stride(0) != slab.data_bytes \
+                or pool.data_ptr() % ALIGN:
+            raise ValueError(f"pool rows of {pool.shape[1]} B every {pool.stride(0)} B at "
+                             f"{pool.data_ptr():#x} do not match the slab's {slab.block_bytes} B "
+                             f"blocks in {slab.data_bytes} B slots, {ALIGN}-aligned")
+        for name, value in (("threads", threads), ("max_write_bytes", max_write_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.slab = slab
+        self.num_pool_slots = int(pool.shape[0])
+        self.max_write_bytes = max_write_bytes
+        self._pool = pool  # keeps the memory behind the view below alive
+        nbytes = self.num_pool_slots * slab.data_bytes
+        self._memory = memoryview((ctypes.c_char * nbytes).from_address(pool.data_ptr())
+                                  ).cast("B")
+        self._lock = threading.Condition()
+        self._queues: dict[bool, deque[tuple[_Job, int]]] = {True: deque(), False: deque()}
+        self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
+        self._finished: list[DiskResult] = []
+        self._write_bytes = 0  # of write jobs queued or running
+        self._active = {True: 0, False: 0}
+        self._since = {True: 0.0, False: 0.0}
+        self._counters = DiskCounters()
+        self.last_error: str | None = None
+        self._closing = False
+        self._threads = [threading.Thread(target=self._run, name=f"kvconnector-disk-{i}",
+                                          daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- verbs -----------------------------------------------------------------------------
+    def submit_write(self, job_id: int, keys: Sequence[bytes], pool_slots: Sequence[int],
+                     disk_slots: Sequence[int]) -> bool:
+        """Queue pool slots -> disk slots under `keys`; False when refused (reported failed)."""
+        job = self._job(job_id, True, keys, disk_slots, pool_slots)
+        nbytes = len(job.keys) * self.slab.data_bytes
+        with self._lock:
+            if self._write_bytes and self._write_bytes + nbytes > self.max_write_bytes:
+                self._counters.failed_writes += len(job.keys)
+                self._finished.append(DiskResult(job_id, True, (False,) * len(job.keys), 0))
+                job.done.set()
+                self._jobs[job_id] = job
+                return False
+            self._write_bytes += nbytes
+            self._enqueue(job)
+        return True
+
+    def submit_read(self, job_id: int, keys: Sequence[bytes], disk_slots: Sequence[int],
+                    pool_slots: Sequence[int]) -> None:
+        """Queue disk slots -> pool slots, each checked against its key and checksum."""
+        job = self._job(job_id, False, keys, disk_slots, pool_slots)
+        with self._lock:
+            self._enqueue(job)
+
+    def get_finished(self) -> list[DiskResult]:
+        """Jobs finished since the last call, once each."""
+        with self._lock:
+            results, self._finished = self._finished, []
+            for result in results:
+                del self._jobs[result.job_id]
+        return results
+
+    def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> bool:
+        """Block until the jobs (default: all submitted) are done; False on timeout."""
+        with self._lock:
+            ids = list(self._jobs) if job_ids is None else list(job_ids)
+            jobs = [self._jobs[i] for i in ids if i in self._jobs]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in jobs:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not job.done.wait(left):
+                return False
+        return True
+
+    def take_counters(self) -> DiskCounters:
+        """Counters since the last call."""
+        with self._lock:
+            now = time.monotonic()
+            for is_write in (True, False):  # close the busy intervals still open
+                if self._active[is_write]:
+                    self._add_busy(is_write, now)
+                    self._since[is_write] = now
+            counters, self._counters = self._counters, DiskCounters()
+        return counters
+
+    def close(self) -> None:
+        """Finish every queued job, stop the threads, close the slab."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self.slab.close()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _job(self, job_id: int, is_write: bool, keys: Sequence[bytes],
+             disk_slots: Sequence[int], pool_slots: Sequence[int]) -> _Job:
+        if self._closing:
+            raise RuntimeError("the disk tier is closed")
+        keys, disk, pool = tuple(keys), tuple(map(int, disk_slots)), tuple(map(int, pool_slots))
+        if not (len(keys) == len(disk) == len(pool)) or not keys:
+            raise ValueError(f"job {job_id}: {len(keys)} keys, {len(disk)} disk slots and "
+                             f"{len(pool)} pool slots (equal and > 0)")
+        for slot in pool:
+            if not 0 <= slot < self.num_pool_slots:
+                raise ValueError(f"pool slot {slot} out of range [0, {self.num_pool_slots})")
+        for slot in disk:
+            if not 0 <= slot < self.slab.num_slots:
+                raise ValueError(f"disk slot {slot} out of range [0, {self.slab.num_slots})")
+        with self._lock:
+            if job_id in self._jobs:
+                raise ValueError(f"job id {job_id} is still in flight or unreported")
+        return _Job(job_id, is_write, keys, disk, pool, [False] * len(keys), len(keys))
+
+    def _enqueue(self, job: _Job) -> None:
+        self._jobs[job.job_id] = job
+        self._queues[job.is_write].extend((job, i) for i in range(len(job.keys)))
+        self._lock.notify(len(job.keys))
+
+    def _run(self) -> None:
+        footer = aligned_buffer(FOOTER_BYTES)
+        while True:
+            with self._lock:
+                while not (self._queues[False] or self._queues[True] or self._closing):
+                    self._lock.wait()
+                queue = self._queues[False] or self._queues[True]
+                if not queue:
+                    return  # closing, nothing left
+                job, i = queue.popleft()
+                if self._active[job.is_write] == 0:
+                    self._since[job.is_write] = time.monotonic()
+                self._active[job.is_write] += 1
+            ok = self._one(job, i, footer)
+            with self._lock:
+                self._active[job.is_write] -= 1
+                if self._active[job.is_write] == 0:
+                    self._add_busy(job.is_write, time.monotonic())
+                self._settle(job, i, ok)
+
+    def _one(self, job: _Job, i: int, footer: memoryview) -> bool:
+        start = job.pool_slots[i] * self.slab.data_bytes
+        data = self._memory[start:start + self.slab.data_bytes]
+        try:
+            if job.is_write:
+                self.slab.write(job.disk_slots[i], job.keys[i], data, footer)
+            else:
+                self.slab.read(job.disk_slots[i], job.keys[i], data, footer)
+        except (DiskError, OSError, ValueError) as exc:
+            self.last_error = str(exc)
+            return False
+        return True
+
+    def _settle(self, job: _Job, i: int, ok: bool) -> None:
+        job.ok[i] = ok
+        nbytes = self.slab.block_bytes
+        if job.is_write:
+            self._write_bytes -= self.slab.data_bytes
+            self._counters.write_bytes += nbytes if ok else 0
+            self._counters.failed_writes += not ok
+        else:
+            self._counters.read_bytes += nbytes if ok else 0
+            self._counters.failed_reads += not ok
+        job.left -= 1
+        if job.left == 0:
+            self._finished.append(DiskResult(job.job_id, job.is_write, tuple(job.ok),
+                                             sum(job.ok) * nbytes))
+            job.done.set()
+
+    def _add_busy(self, is_write: bool, now: float) -> None:
+        elapsed = now - self._since[is_write]
+        if is_write:
+            self._counters.write_seconds += elapsed
+        else:
+            self._counters.read_seconds += elapsed
