@@ -228,9 +228,9 @@ def scan(directory: str | os.PathLike[str], digest: bytes, block_bytes: int,
                     n = os.preadv(fd, [buf], ALIGN + slot * stride + stride - FOOTER_BYTES)
                 except OSError:
                     continue  # an unreadable footer: the slot is free
-                if n == FOOTER_BYTES and (sound := open_footer(buf, slot)) is not None:
-                    if sound[0] == block_bytes:
-                        found[slot] = sound[1]
+                sound = open_footer(buf, slot) if n == FOOTER_BYTES else None
+                if sound is not None and sound[0] == block_bytes:
+                    found[slot] = sound[1]
             return found
 
         out: dict[int, bytes] = {}
