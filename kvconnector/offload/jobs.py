@@ -16,7 +16,9 @@ class TransferJob:
 
     With a remote tier: a store's `keys` are put to the store after the copy (write-through);
     a load's `keys` are fetched from the store into the last len(keys) slots before the copy.
-    `fail`: the job cannot run (no slot for a fetch); the worker reports it failed at once.
+    With a disk tier: a load's `disk_keys` are read from `disk_slots` into the slots before
+    those (after the blocks the pool holds). `fail`: the job cannot run (no slot for a fetch);
+    the worker reports it failed at once.
     """
 
     job_id: int
@@ -25,6 +27,24 @@ class TransferJob:
     slots: tuple[int, ...]
     keys: tuple[bytes, ...] = ()
     fail: bool = False
+    disk_keys: tuple[bytes, ...] = ()
+    disk_slots: tuple[int, ...] = ()
+
+    @property
+    def fetch_slots(self) -> tuple[int, ...]:
+        """Pool slots a disk read or a remote get fills before the copy."""
+        return self.slots[len(self.slots) - len(self.keys) - len(self.disk_keys):]
+
+
+@dataclass(frozen=True)
+class DiskWrite:
+    """Write pool `slots` (holding `keys`) to `disk_slots`, one block each. A spill of blocks
+    the pool evicted runs before the stores that reuse their slots (the worker orders them)."""
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    slots: tuple[int, ...]
+    disk_slots: tuple[int, ...]
 
 
 @dataclass
@@ -40,9 +60,10 @@ class StepJobs:
     stores: list[TransferJob] = field(default_factory=list)
     flush: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+    spills: list[DiskWrite] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.flush or self.held)
+        return not (self.loads or self.stores or self.flush or self.held or self.spills)
 
 
 @dataclass
@@ -52,24 +73,37 @@ class JobReport:
     done: dict[int, int] = field(default_factory=dict)  # job id -> workers that copied it
     failed: dict[int, int] = field(default_factory=dict)  # job id -> workers that failed it
     put: dict[int, int] = field(default_factory=dict)  # store job id -> workers done putting it
+    spilled: dict[int, int] = field(default_factory=dict)  # DiskWrite id -> workers done
+    disk_bad: dict[int, list[bytes]] = field(default_factory=dict)  # job -> keys a disk failed
     load_bytes: int = 0
     load_seconds: float = 0.0
     store_bytes: int = 0
     store_seconds: float = 0.0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
 
     def merged(self, other: JobReport) -> JobReport:
-        done, failed = dict(self.done), dict(self.failed)
-        for job_id, count in other.done.items():
-            done[job_id] = done.get(job_id, 0) + count
-        for job_id, count in other.failed.items():
-            failed[job_id] = failed.get(job_id, 0) + count
-        put = dict(self.put)
-        for job_id, count in other.put.items():
-            put[job_id] = put.get(job_id, 0) + count
-        return JobReport(done, failed, put, self.load_bytes + other.load_bytes,
-                         self.load_seconds + other.load_seconds,
-                         self.store_bytes + other.store_bytes,
-                         self.store_seconds + other.store_seconds)
+        counts = [_summed(a, b) for a, b in ((self.done, other.done), (self.failed, other.failed),
+                                              (self.put, other.put),
+                                              (self.spilled, other.spilled))]
+        bad = {job: list(keys) for job, keys in self.disk_bad.items()}
+        for job_id, keys in other.disk_bad.items():
+            bad[job_id] = bad.get(job_id, []) + [k for k in keys if k not in bad.get(job_id, ())]
+        totals = [getattr(self, name) + getattr(other, name) for name in _TOTALS]
+        return JobReport(*counts, bad, *totals)
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed or self.put)
+        return not (self.done or self.failed or self.put or self.spilled)
+
+
+_TOTALS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "disk_read_bytes",
+           "disk_read_seconds", "disk_write_bytes", "disk_write_seconds")
+
+
+def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for job_id, count in b.items():
+        out[job_id] = out.get(job_id, 0) + count
+    return out

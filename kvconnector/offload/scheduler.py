@@ -20,6 +20,11 @@ copied (write-through; a worker whose bytes another rank puts only reports); its
 readable at once and pinned until every worker reports the put (`JobReport.put`), so no new
 store reuses a slot zmq still reads.
 
+With a disk tier (kvconnector/offload/disk_tier.py): `lookup` counts the blocks on disk after the
+CPU tier's hits (at most as many as the pool has slots to take now), the remote store's after
+those; a load reads them into slots reserved like fetches; blocks go to disk as the pool evicts
+them or, write-through, once stored (`StepJobs.spills`).
+
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
   returns True) until every worker has reported its stores done (`StepJobs.held`);
@@ -32,8 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
-from transfer.block_index import BlockIndex
+from kvconnector.offload.disk_tier import DiskPlanner
+from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
+from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import Namespace
 
 
@@ -52,6 +58,14 @@ class OffloadCounters:
     evictions: int = 0
     unplaced_blocks: int = 0  # blocks not stored: every slot busy
     remote_hit_tokens: int = 0  # of hit_tokens, fetched from the remote store
+    disk_hit_tokens: int = 0  # of hit_tokens, read from the disk tier
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0  # time with disk reads in flight (GB/s = bytes / seconds)
+    disk_write_bytes: int = 0
+    disk_write_seconds: float = 0.0
+    disk_failed_reads: int = 0  # blocks: EIO, bad checksum (recomputed)
+    disk_failed_writes: int = 0  # blocks: disk full, EIO, writes past the bound
+    disk_evictions: int = 0
     remote_lookup_failures: int = 0  # store lookups late or failed (answered from the CPU tier)
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
 
@@ -64,7 +78,8 @@ class _Job:
     start_block: int  # index in the request's block table of the first block
     pending: int  # workers yet to report
     failed: bool = False
-    fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a remote get
+    fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a read or get
+    disk_keys: list[bytes] = field(default_factory=list)  # load: read from disk (pinned there)
 
 
 @dataclass
@@ -80,8 +95,10 @@ class _Lookup:
     start: int  # first block asked about
     asked: int  # blocks asked about
     cpu_hits: int  # leading blocks the CPU tier holds
-    rest: list[bytes]  # keys of the blocks after those (the remote tier's candidates)
-    remote_hits: int = 0
+    rest: list[bytes]  # keys of the blocks after those
+    disk_hits: int = 0  # leading `rest` on disk
+    remote_hits: int = 0  # `rest` after the disk hits in the remote store
+    disk_capped: bool = False  # more were on disk than the pool could take: no remote hits
 
 
 @dataclass
@@ -99,7 +116,8 @@ class OffloadScheduler:
     """
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
-                 policy: str = "lru", *, remote: bool = False, remote_only: bool = False) -> None:
+                 policy: str = "lru", *, remote: bool = False, remote_only: bool = False,
+                 disk: DiskPlanner | None = None) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -111,6 +129,7 @@ class OffloadScheduler:
         # staging, every key leaves the index once its job is done.
         self.remote = remote or remote_only
         self.remote_only = remote_only
+        self.disk = disk
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, _Lookup] = {}  # request -> its last lookup
         self._jobs: dict[int, _Job] = {}
@@ -118,6 +137,7 @@ class OffloadScheduler:
         # a failed copy included); the keys stay pinned like a load meanwhile, so no new store
         # reuses their slots while zmq reads them.
         self._puts: dict[int, _Put] = {}
+        self._bad_keys: dict[int, list[bytes]] = {}  # load job -> keys its disk reads failed
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
@@ -136,19 +156,26 @@ class OffloadScheduler:
         end = min(len(block_hashes), num_tokens // self.block_size)
         keys = self.namespace.keys(list(block_hashes[start:end]))
         hits = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
-        self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
-        return hits * self.block_size
+        lookup = self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
+        if self.disk is not None:
+            lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
+                lookup.rest, self.index.num_reclaimable)
+        return (hits + lookup.disk_hits) * self.block_size
 
     def remote_candidates(self, req_id: str) -> list[bytes]:
-        """Keys of the last lookup after the CPU tier's hits (what to ask the store for)."""
+        """Keys of the last lookup after the CPU and disk tiers' hits (what to ask the store
+        for)."""
         lookup = self._lookups.get(req_id)
-        return [] if lookup is None else list(lookup.rest)
+        if lookup is None or lookup.disk_capped:
+            return []
+        return list(lookup.rest[lookup.disk_hits:])
 
     def set_remote_hits(self, req_id: str, blocks: int) -> None:
         """The store holds the first `blocks` remote candidates of the last lookup."""
         lookup = self._lookups[req_id]
-        if not 0 <= blocks <= len(lookup.rest):
-            raise ValueError(f"request {req_id!r}: {blocks} remote hits of {len(lookup.rest)}")
+        candidates = len(self.remote_candidates(req_id))
+        if not 0 <= blocks <= candidates:
+            raise ValueError(f"request {req_id!r}: {blocks} remote hits of {candidates}")
         lookup.remote_hits = blocks
 
     # ---- planning --------------------------------------------------------------------------
@@ -157,43 +184,52 @@ class OffloadScheduler:
                   num_external_tokens: int) -> tuple[int, int]:
         """Load `num_external_tokens` after the last lookup's start into the request's blocks
         (`block_ids`: its whole block table). Also counts the admission's hits and misses.
-        Returns (blocks from the CPU tier, blocks fetched from the remote store)."""
+        Returns blocks from (the CPU tier, the disk tier, the remote store)."""
         lookup = self._lookups.pop(req_id, None) or _Lookup(0, 0, 0, [])
         start, asked = lookup.start, lookup.asked
         hit_blocks, rest = divmod(num_external_tokens, self.block_size)
-        if rest or hit_blocks > lookup.cpu_hits + lookup.remote_hits:
+        offered = lookup.cpu_hits + lookup.disk_hits + lookup.remote_hits
+        if rest or hit_blocks > offered:
             raise ValueError(f"request {req_id!r}: cannot load {num_external_tokens} tokens; the "
-                             f"last lookup offered {lookup.cpu_hits + lookup.remote_hits} "
-                             f"blocks of {self.block_size}")
+                             f"last lookup offered {offered} blocks of {self.block_size}")
         self._counters.hit_tokens += hit_blocks * self.block_size
         self._counters.miss_tokens += (asked - hit_blocks) * self.block_size
         if hit_blocks == 0:
-            return 0, 0
+            return 0, 0, 0
         cpu_blocks = min(hit_blocks, lookup.cpu_hits)
-        self._counters.remote_hit_tokens += (hit_blocks - cpu_blocks) * self.block_size
-        fetch_keys = lookup.rest[:hit_blocks - cpu_blocks]
+        disk_blocks = min(hit_blocks - cpu_blocks, lookup.disk_hits)
+        remote_blocks = hit_blocks - cpu_blocks - disk_blocks
+        self._counters.disk_hit_tokens += disk_blocks * self.block_size
+        self._counters.remote_hit_tokens += remote_blocks * self.block_size
+        disk_keys, fetch_keys = lookup.rest[:disk_blocks], lookup.rest[disk_blocks:hit_blocks
+                                                                           - cpu_blocks]
         state = self._requests.setdefault(req_id, _Request())
         if len(block_ids) < start + hit_blocks:
             raise ValueError(f"request {req_id!r}: {len(block_ids)} blocks allocated, the load "
                              f"needs {start + hit_blocks}")
         keys = self.namespace.keys(list(block_hashes[start:start + cpu_blocks]))
         plan = self.index.prepare_load(keys)
-        slots, fail = list(plan.slots), False
-        if fetch_keys:
-            # Fetched blocks land in slots reserved as stores: nothing else reads or evicts
-            # them until the job ends, and a good fetch leaves them in the CPU tier.
-            fetch = self.index.prepare_store(fetch_keys)
-            if fetch.keys != fetch_keys:  # no room, or a key already on its way: give up
+        slots, fail, disk_slots = list(plan.slots), False, []
+        if disk_keys or fetch_keys:
+            # Read and fetched blocks land in slots reserved as stores: nothing else reads or
+            # evicts them until the job ends, and a good one stays in the CPU tier.
+            fetch = self.index.prepare_store(disk_keys + fetch_keys)
+            self._spill_evicted(fetch)
+            if fetch.keys != disk_keys + fetch_keys:  # no room, or a key on its way: give up
                 self.index.complete_store(fetch.keys, False)
-                fetch_keys, fail = [], True
+                disk_keys, fetch_keys, fail = [], [], True
+            if disk_keys:
+                disk_slots = self.disk.index.prepare_load(disk_keys).slots
             slots += fetch.slots
         state.stored_upto = max(state.stored_upto, start + hit_blocks)
         job_id = self._add_job(state, req_id, False, keys, start)
-        self._jobs[job_id].fetch_keys = fetch_keys
+        self._jobs[job_id].fetch_keys = disk_keys + fetch_keys
+        self._jobs[job_id].disk_keys = disk_keys
         destination = tuple(block_ids[start:start + hit_blocks])
         self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(slots),
-                                            tuple(fetch_keys), fail))
-        return cpu_blocks, hit_blocks - cpu_blocks
+                                            tuple(fetch_keys), fail, tuple(disk_keys),
+                                            tuple(disk_slots)))
+        return cpu_blocks, disk_blocks, remote_blocks
 
     def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
                     num_ready_tokens: int) -> None:
@@ -207,6 +243,7 @@ class OffloadScheduler:
         keys = self.namespace.keys(list(block_hashes[start:ready]))
         plan = self.index.prepare_store(keys)  # skips keys stored or being stored
         self._counters.unplaced_blocks += len(plan.not_placed)
+        self._spill_evicted(plan)
         if not plan.keys:
             return
         position = {key: start + i for i, key in enumerate(keys)}
@@ -246,6 +283,21 @@ class OffloadScheduler:
         self._forget_if_idle(req_id)
         return held
 
+    def _spill_evicted(self, plan: StorePlan) -> None:
+        """Write-back: blocks the pool evicts go to disk before their slots are written again."""
+        if plan.evicted and self.disk is not None and not self.disk.write_through:
+            self._spill(plan.evicted, plan.evicted_slots)
+
+    def _spill(self, keys: list[bytes], slots: list[int], pinned: bool = False) -> set[bytes]:
+        """Write pool blocks to disk; `pinned`: the keys are pinned in the pool, and those
+        written stay so until done. Returns the keys written."""
+        write: DiskWrite | None = self.disk.spill(self._next_job_id, keys, slots, pinned)
+        if write is None:
+            return set()
+        self._next_job_id += 1
+        self._step.spills.append(write)
+        return set(write.keys)
+
     def build_step(self) -> StepJobs:
         """The jobs planned since the last call, for every worker."""
         step, self._step = self._step, StepJobs()
@@ -259,6 +311,18 @@ class OffloadScheduler:
         self._counters.load_seconds += report.load_seconds
         self._counters.store_bytes += report.store_bytes
         self._counters.store_seconds += report.store_seconds
+        for name in ("read_bytes", "read_seconds", "write_bytes", "write_seconds"):
+            setattr(self._counters, f"disk_{name}", getattr(self._counters, f"disk_{name}")
+                    + getattr(report, f"disk_{name}"))
+        for job_id, keys in report.disk_bad.items():
+            if job_id in self._jobs:  # a load's disk reads that failed
+                self._bad_keys.setdefault(job_id, []).extend(keys)
+        for job_id, count in report.spilled.items():
+            if self.disk is None:
+                raise ValueError(f"spill report for job {job_id!r} without a disk tier")
+            unpin = self.disk.report_spill(job_id, count, report.disk_bad.get(job_id, ()))
+            if unpin:
+                self.index.complete_load(unpin)
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
                 job = self._jobs.get(job_id)
@@ -295,6 +359,11 @@ class OffloadScheduler:
         if job.is_store:
             self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
+            if not job.failed and self.disk is not None and self.disk.write_through:
+                slots = self.index.prepare_load(job.keys).slots  # pinned while written
+                written = self._spill(job.keys, slots, pinned=True)
+                if len(written) < len(job.keys):
+                    self.index.complete_load([k for k in job.keys if k not in written])
             put = self._puts.get(job_id)
             if put is not None:
                 if not job.failed:  # readable at once, pinned until every put is done
@@ -306,6 +375,9 @@ class OffloadScheduler:
             self.index.complete_load(job.keys)
             if job.fetch_keys:
                 self.index.complete_store(job.fetch_keys, not job.failed and not self.remote_only)
+            if job.disk_keys:
+                self.disk.index.complete_load(job.disk_keys)
+                self.disk.forget_bad(self._bad_keys.pop(job_id, []))
             if job.failed:
                 # The slots may hold bad bytes: drop the keys so the recomputed blocks are
                 # stored again, and store this request's blocks again from the failed load on.
@@ -325,12 +397,14 @@ class OffloadScheduler:
     def reset(self) -> None:
         """Forget every stored block (jobs in flight finish; their slots drain)."""
         self.index.clear()
+        if self.disk is not None:
+            self.disk.index.clear()
         for state in self._requests.values():
             state.stored_upto = 0
 
     def has_jobs(self) -> bool:
         """Jobs planned or in flight: the engine must keep stepping to complete them."""
-        return bool(self._jobs or self._puts)
+        return bool(self._jobs or self._puts or (self.disk and self.disk.spills_in_flight))
 
     def count_lookup_failures(self, count: int) -> None:
         self._counters.remote_lookup_failures += count
@@ -341,6 +415,12 @@ class OffloadScheduler:
         counters, self._counters = self._counters, OffloadCounters()
         counters.evictions = evictions - self._evictions_seen
         counters.jobs_in_flight = len(self._jobs) + len(self._puts)
+        if self.disk is not None:
+            disk = self.disk.take_counters()
+            counters.disk_failed_reads = disk.failed_reads
+            counters.disk_failed_writes = disk.failed_writes
+            counters.disk_evictions = disk.evictions
+            counters.jobs_in_flight += self.disk.spills_in_flight
         self._evictions_seen = evictions
         return counters
 

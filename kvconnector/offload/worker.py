@@ -11,6 +11,9 @@ hands over, finds what lies behind them (kvconnector.layout.recognize) and moves
 Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
 the work the compute stream had queued), then `poll` and `take_report`.
+
+With a disk tier (`attach_disk`): the step's spills start first, on the disk threads; a store or
+a load's read whose pool slots a spill still reads out waits for it here, never on a lane.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import torch
 
 from kvconnector.layout.descriptor import KVForm, KVLayout
 from kvconnector.layout.recognize import recognize
-from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
+from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy.base import CopyBackend
+from transfer.disk.io import DiskIO, DiskResult
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
+from transfer.keys import DIGEST_BYTES
 from transfer.pool import HostPool
 from transfer.remote.backend import TransferResult as StoreResult
 
@@ -90,7 +95,12 @@ class OffloadWorker:
         self._held: set[str] = set()
         self._report = JobReport()
         self.remote: RemoteFetcher | None = None  # set by attach_remote
-        self._fetching: dict[int, tuple[TransferJob, Future[StoreResult]]] = {}
+        self._fetching: dict[int, tuple[TransferJob, Future[StoreResult] | None]] = {}
+        self.disk: DiskIO | None = None  # set by attach_disk
+        self._disk_digest = b""
+        self._spilling: dict[int, tuple[tuple[bytes, ...], frozenset[int]]] = {}  # keys, slots
+        self._reads: dict[int, DiskResult | None] = {}  # load job -> its disk reads' result
+        self._waiting: list[tuple[bool, TransferJob]] = []  # (is store, job) behind spills
         self._putting: dict[int, tuple[Future[StoreResult], tuple[int, ...]]] = {}
         self._put_keys: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}
         self._doomed: list[TransferJob] = []
@@ -100,6 +110,15 @@ class OffloadWorker:
     def attach_remote(self, fetcher: RemoteFetcher) -> None:
         """Use a remote store as the second tier (its client reads and writes `pool.slots`)."""
         self.remote = fetcher
+
+    def attach_disk(self, io: DiskIO, namespace_digest: bytes) -> None:
+        """Use a disk tier below the pool (`io` moves blocks between `pool.slots` and this
+        rank's slab, whose keys are in `namespace_digest`)."""
+        self.disk = io
+        self._disk_digest = namespace_digest
+
+    def _disk_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        return [self._disk_digest + key[DIGEST_BYTES:] for key in keys]
 
     def describe(self) -> str:
         """One line: how blocks move and why."""
@@ -112,37 +131,98 @@ class OffloadWorker:
     # ---- the step ----------------------------------------------------------------------------
 
     def flush(self, step: StepJobs) -> None:
-        """Before the forward: wait for the stores reading blocks a preemption freed."""
-        if step.flush:
-            self.engine.wait(step.flush)
+        """Before the forward: wait for the stores reading blocks a preemption freed (and for
+        the spills such a store waits behind)."""
+        if not step.flush:
+            return
+        flush = set(step.flush)
+        if any(is_store and job.job_id in flush for is_store, job in self._waiting):
+            self.disk.wait(list(self._spilling))
+            self._poll_disk()
+        self.engine.wait(step.flush)
 
     def start_loads(self, step: StepJobs) -> None:
+        for write in step.spills:
+            self._spill(write)
         for job in step.loads:
-            if job.fail or (job.keys and self.remote is None):
-                self._doomed.append(job)
-            elif job.keys:  # fetch from the store into the reserved slots first (see poll)
-                fetch_slots = job.slots[len(job.slots) - len(job.keys):]
-                self._fetching[job.job_id] = (job, self.remote.get(job.keys, fetch_slots))
+            if self._behind_spills(job.fetch_slots):
+                self._waiting.append((False, job))
             else:
-                # Submit first: bad input raises before anything is registered here.
-                self.engine.submit_load(job.job_id, job.slots, job.block_ids)
-                self._loads[job.job_id] = (job.req_id, job.block_ids)
+                self._start_load(job)
+
+    def _spill(self, write: DiskWrite) -> None:
+        if self.disk is None:
+            raise RuntimeError(f"spill job {write.job_id} without a disk tier attached")
+        # A refused write (False) still reaches get_finished, as failed: register it first.
+        self._spilling[write.job_id] = (write.keys, frozenset(write.slots))
+        self.disk.submit_write(write.job_id, self._disk_keys(write.keys), write.slots,
+                               write.disk_slots)
+
+    def _behind_spills(self, slots: Sequence[int]) -> bool:
+        return any(not taken.isdisjoint(slots) for _, taken in self._spilling.values())
+
+    def _start_load(self, job: TransferJob) -> None:
+        if job.fail or (job.keys and self.remote is None) or (job.disk_keys and not self.disk):
+            self._doomed.append(job)
+        elif job.keys or job.disk_keys:  # read / fetch into the reserved slots first (see poll)
+            fetch_slots = job.fetch_slots
+            future = None
+            if job.keys:
+                future = self.remote.get(job.keys, fetch_slots[len(job.disk_keys):])
+            if job.disk_keys:
+                self.disk.submit_read(job.job_id, self._disk_keys(job.disk_keys),
+                                      job.disk_slots, fetch_slots[:len(job.disk_keys)])
+                self._reads[job.job_id] = None
+            self._fetching[job.job_id] = (job, future)
+        else:
+            # Submit first: bad input raises before anything is registered here.
+            self.engine.submit_load(job.job_id, job.slots, job.block_ids)
+            self._loads[job.job_id] = (job.req_id, job.block_ids)
 
     def submit_stores(self, step: StepJobs) -> None:
         """After the forward: each store copies after the work queued on the compute stream.
         A store the engine drops under pressure is reported failed, like a failed copy."""
         for job in step.stores:
-            # A dropped store (False) still reaches get_finished, as failed: register it too.
-            self.engine.submit_store(job.job_id, job.block_ids, job.slots)
             self._stores[job.job_id] = job.req_id
-            if job.keys and self.remote is not None:
-                self._put_keys[job.job_id] = (job.keys, job.slots)
+            if self._behind_spills(job.slots):
+                self._waiting.append((True, job))
+            else:
+                self._submit_store(job)
         self._held.update(step.held)
+
+    def _submit_store(self, job: TransferJob) -> None:
+        # A dropped store (False) still reaches get_finished, as failed: it is registered.
+        self.engine.submit_store(job.job_id, job.block_ids, job.slots)
+        if job.keys and self.remote is not None:
+            self._put_keys[job.job_id] = (job.keys, job.slots)
+
+    def _poll_disk(self) -> None:
+        """Finished spills -> reported (with their failed keys); then what waited behind them."""
+        if self.disk is None:
+            return
+        for result in self.disk.get_finished():
+            if result.job_id not in self._spilling:
+                self._reads[result.job_id] = result
+                continue
+            keys, _ = self._spilling.pop(result.job_id)
+            self._report.spilled[result.job_id] = 1
+            bad = [key for key, ok in zip(keys, result.ok, strict=True) if not ok]
+            if bad:
+                self._report.disk_bad[result.job_id] = bad
+        waiting, self._waiting = self._waiting, []
+        for is_store, job in waiting:
+            if self._behind_spills(job.slots if is_store else job.fetch_slots):
+                self._waiting.append((is_store, job))
+            elif is_store:
+                self._submit_store(job)
+            else:
+                self._start_load(job)
 
     def poll(self) -> TransferEvents:
         """Collect finished jobs (never blocks)."""
         events = TransferEvents()
         report = self._report
+        self._poll_disk()
         for result in self.engine.get_finished():
             # A partly fetched load copied its good head; its tail failed in the store.
             tail = self._partial.pop(result.job_id, ())
@@ -182,16 +262,27 @@ class OffloadWorker:
             self._fail_load(job, events)
         self._doomed.clear()
         for job_id, (job, future) in list(self._fetching.items()):
-            if not future.done():
+            if (future is not None and not future.done()) or \
+                    (job_id in self._reads and self._reads[job_id] is None):
                 continue
             del self._fetching[job_id]
-            # Load the head that is here (CPU-tier blocks, then the leading good fetches);
-            # the rest are load errors, from which vLLM recomputes (0.32 may also look the head
-            # up again: it is in the store, and loading it here costs one pool -> GPU copy).
-            good = leading_ok(future)
-            if good < len(job.keys):
-                self.remote_failures += 1
-            head = len(job.slots) - len(job.keys) + good
+            # Load the head that is here (CPU-tier blocks, then the leading good reads and
+            # fetches); the rest are load errors, from which vLLM recomputes (0.32 may also look
+            # the head up again: it is in a tier, and loading it here costs one more copy).
+            good = len(job.disk_keys)
+            read = self._reads.pop(job_id, None)
+            if read is not None:
+                good = next((i for i, ok in enumerate(read.ok) if not ok), good)
+                bad = [k for k, ok in zip(job.disk_keys, read.ok, strict=True) if not ok]
+                if bad:
+                    self._report.disk_bad[job_id] = bad
+            if future is not None:
+                fetched = leading_ok(future)
+                if fetched < len(job.keys):
+                    self.remote_failures += 1
+                if good == len(job.disk_keys):
+                    good += fetched
+            head = len(job.slots) - len(job.keys) - len(job.disk_keys) + good
             if head == 0:
                 self._fail_load(job, events, count=False)
                 continue
@@ -221,6 +312,12 @@ class OffloadWorker:
     def take_report(self) -> JobReport:
         """Jobs finished here since the last call (for the scheduler, summed over workers)."""
         report, self._report = self._report, JobReport()
+        if self.disk is not None:
+            counters = self.disk.take_counters()
+            report.disk_read_bytes, report.disk_read_seconds = (counters.read_bytes,
+                                                                counters.read_seconds)
+            report.disk_write_bytes, report.disk_write_seconds = (counters.write_bytes,
+                                                                  counters.write_seconds)
         return report
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -228,7 +325,11 @@ class OffloadWorker:
     def drain(self) -> None:
         """Block until every copy and store call in flight is done (results still come from
         `poll`; a fetched load starts there)."""
-        for future in [f for _, f in self._fetching.values()] + \
+        if self.disk is not None:
+            self.disk.wait()
+            self._poll_disk()  # what waited behind spills starts
+            self.disk.wait()
+        for future in [f for _, f in self._fetching.values() if f is not None] + \
                 [f for f, _ in self._putting.values()]:
             with contextlib.suppress(CancelledError):
                 future.exception()  # waits; store calls are bounded by their deadline
@@ -237,7 +338,8 @@ class OffloadWorker:
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
         return (len(self._loads) + len(self._stores) + len(self._fetching) + len(self._putting)
-                + len(self._doomed))
+                + len(self._doomed) + len(self._spilling)
+                + sum(not is_store for is_store, _ in self._waiting))
 
     def close(self) -> None:
         """Finish the copies and store calls in flight, then release the lanes, the store
@@ -246,6 +348,8 @@ class OffloadWorker:
         self.engine.close()
         if self.remote is not None:
             self.remote.close()
+        if self.disk is not None:
+            self.disk.close()
         self.pool.close()
 
 

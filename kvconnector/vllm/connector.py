@@ -12,6 +12,10 @@ With `remote_url`, a remote block store (transfer.remote) is the second tier, or
 with `remote_only` (kvconnector.offload.remote_tier): asynchronous lookups with a deadline past the
 CPU tier's hits, fetches into pool slots, write-through of every stored block.
 
+With `disk_path` and `disk_bytes`, a local drive is a tier between the pool and the remote store
+(kvconnector/offload/disk_tier.py, transfer/disk): O_DIRECT slabs, one per rank, found again
+after a restart; its hits are reported as CacheHitSource.DISK.
+
 Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
 0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
 """
@@ -42,15 +46,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
 from kvconnector.layout.registry import decide
+from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
-from kvconnector.vllm.namespace import engine_namespace, rank_namespace
+from kvconnector.vllm.namespace import disk_namespace, engine_namespace, rank_namespace
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
 from transfer.copy.base import CopyBackend
 from transfer.copy.factory import make_backend
+from transfer.disk.io import DiskIO
+from transfer.disk.slab import SlabFile
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -164,18 +171,38 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._remote = self.options.remote()
         self._remote_lookups: RemoteLookups | None = None
-        self._hit_split: dict[str, tuple[int, int]] = {}  # request -> (host, remote) tokens
+        self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
         parallel = vllm_config.parallel_config
         self._namespace = engine_namespace(vllm_config, spec, num_layers,
                                            parallel.tensor_parallel_size)
+        self._disk = self.options.disk()
+        if self._disk is not None:
+            self._num_disk_slots = self._disk.num_slots(slot_bytes)
+            if self._num_disk_slots == 0:
+                raise ValueError(f"disk_bytes {self._disk.num_bytes} holds no block of "
+                                 f"{slot_bytes} B (and its 4 KiB footer)")
         if role == KVConnectorRole.SCHEDULER:
             remote = self._remote is not None
             self._scheduler = OffloadScheduler(
                 self._namespace, self._num_slots, spec.block_size, parallel.world_size,
                 self.options.eviction, remote=remote,
-                remote_only=remote and self._remote.only)
+                remote_only=remote and self._remote.only, disk=self._disk_planner())
             if self._remote is not None:
                 self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
+
+    def _disk_planner(self) -> DiskPlanner | None:
+        """The disk tier's index, with the blocks every rank's slab still holds."""
+        if self._disk is None:
+            return None
+        parallel = self._vllm_config.parallel_config
+        digests = [disk_namespace(self._namespace, rank, parallel.tensor_parallel_size).digest
+                   for rank in range(parallel.world_size)]
+        stored = restored_blocks(self._disk.path, self._namespace.digest, digests,
+                                 self._num_disk_slots)
+        logger.info("CrossLayerOffloadConnector disk tier %s: %d slots, %d blocks found",
+                    self._disk.path, self._num_disk_slots, len(stored))
+        return DiskPlanner(self._namespace, self._num_disk_slots, self.options.eviction,
+                           self._disk.write_policy, parallel.world_size, stored)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -205,6 +232,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
                                                self._vllm_config.parallel_config)
             self._worker.attach_remote(RemoteFetcher(self._remote, namespace.digest,
                                                      self._worker.pool.slots, writes=writes))
+        if self._disk is not None:
+            parallel = self._vllm_config.parallel_config
+            digest = disk_namespace(self._namespace, parallel.rank,
+                                    parallel.tensor_parallel_size).digest
+            slab = SlabFile(self._disk.path, digest, self._worker.block_bytes,
+                            self._num_disk_slots)
+            self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
         asked, why = self._layout_request
         logger.info("CrossLayerOffloadConnector rank %d: asked for %s (%s), vLLM resolved %s; %s",
                     self._vllm_config.parallel_config.rank, asked or "vLLM's default", why,
@@ -301,12 +335,11 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        host, remote = self._core().plan_load(request.request_id, request.block_hashes,
-                                              blocks.get_block_ids()[0], num_external_tokens)
-        if remote:  # kept for get_external_cache_hit_sources, which vLLM calls right after
-            self._hit_split[request.request_id] = (host * self._block_size,
-                                                   remote * self._block_size)
-        elif num_external_tokens:  # a new plan without remote blocks (the 0-token call
+        split = self._core().plan_load(request.request_id, request.block_hashes,
+                                       blocks.get_block_ids()[0], num_external_tokens)
+        if split[1] or split[2]:  # for get_external_cache_hit_sources, which vLLM calls next
+            self._hit_split[request.request_id] = tuple(n * self._block_size for n in split)
+        elif num_external_tokens:  # a new plan from the host pool alone (the 0-token call
             self._hit_split.pop(request.request_id, None)  # after a load keeps the last)
 
     def get_external_cache_hit_sources(self, request: Request,
@@ -315,9 +348,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         if split is None or sum(split) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         # vLLM 0.32 has no remote-store member: EXTERNAL_UNSPECIFIED is its "remote store".
-        return {source: tokens for source, tokens in
-                zip((CacheHitSource.HOST, CacheHitSource.EXTERNAL_UNSPECIFIED), split,
-                    strict=True) if tokens}
+        sources = (CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return {source: tokens for source, tokens in zip(sources, split, strict=True) if tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         core = self._core()

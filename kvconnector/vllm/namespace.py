@@ -63,3 +63,11 @@ def rank_namespace(engine: Namespace, spec: FullAttentionSpec,
     if same_bytes_on_every_tp_rank(spec, parallel):
         return dataclasses.replace(engine, tp_rank=0, salt=salt), tp_rank == 0
     return dataclasses.replace(engine, tp_rank=tp_rank, salt=salt), True
+
+
+def disk_namespace(engine: Namespace, rank: int, tp_size: int) -> Namespace:
+    """The namespace of rank `rank`'s disk slab: its TP rank and PP stage, as `rank_namespace`,
+    but never shared (each rank writes its own file, even where the bytes are the same)."""
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    salt = engine.salt + (f"/pp{pp_rank}" if pp_rank else "")
+    return dataclasses.replace(engine, tp_rank=tp_rank, salt=salt)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
+from kvconnector.offload.disk_tier import WRITE_POLICIES, DiskSettings
 from kvconnector.offload.remote_tier import (
     RemoteSettings,
     is_redis_url,
@@ -38,6 +39,9 @@ class ConnectorOptions:
     remote_redis_ca_file (rediss://). remote_lookup_deadline_s: how long a lookup may keep a request
     waiting; remote_timeout_s: bound of each get and put; remote_only: the host pool only
     stages blocks on their way to and from the store (cpu_bytes sizes it).
+    disk_path: a directory on a local drive (O_DIRECT) for the disk tier below the pool, one slab
+    file per rank; disk_bytes: its size per worker; disk_write_policy: "evict" (blocks go to disk
+    as the pool evicts them) or "through" (every block stored in the pool also goes to disk).
     """
 
     cpu_bytes: int
@@ -56,6 +60,9 @@ class ConnectorOptions:
     remote_lookup_deadline_s: float = 0.2
     remote_timeout_s: float = 5.0
     remote_only: bool = False
+    disk_path: str | None = None
+    disk_bytes: int | None = None
+    disk_write_policy: str = "evict"
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -87,7 +94,28 @@ class ConnectorOptions:
                 raise ValueError(f"{remote_keys} given without remote_url")
         else:
             options.remote()  # checks the security keys
+        if options.disk_path is None:
+            disk_keys = sorted(k for k in extra if k.startswith("disk_"))
+            if disk_keys:
+                raise ValueError(f"{disk_keys} given without disk_path")
+        else:
+            options.disk()
         return options
+
+    def disk(self) -> DiskSettings | None:
+        """The disk tier's settings, or None without disk_path."""
+        if self.disk_path is None:
+            return None
+        if not isinstance(self.disk_path, str) or not self.disk_path:
+            raise ValueError(f"disk_path must be a directory path, got {self.disk_path!r}")
+        value = self.disk_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"disk_path needs disk_bytes, a positive integer of bytes per "
+                             f"worker; got {value!r}")
+        if self.disk_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"disk_write_policy must be one of {WRITE_POLICIES}, got "
+                             f"{self.disk_write_policy!r}")
+        return DiskSettings(self.disk_path, value, self.disk_write_policy)
 
     def remote(self) -> RemoteSettings | None:
         """The remote tier's settings, or None without remote_url."""

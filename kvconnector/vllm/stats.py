@@ -47,6 +47,10 @@ class OffloadStats(KVConnectorStats):
             if d["load_seconds"] else 0.0,
             "store_GBps": round(d["store_bytes"] / d["store_seconds"] / 1e9, 2)
             if d["store_seconds"] else 0.0,
+            "disk_read_GBps": round(d["disk_read_bytes"] / d["disk_read_seconds"] / 1e9, 2)
+            if d["disk_read_seconds"] else 0.0,
+            "disk_write_GBps": round(d["disk_write_bytes"] / d["disk_write_seconds"] / 1e9, 2)
+            if d["disk_write_seconds"] else 0.0,
         }
 
     def is_empty(self) -> bool:
@@ -64,7 +68,7 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         for name in asdict(OffloadCounters()):
             kind = self._gauge_cls if name in _GAUGES else self._counter_cls
             metric = kind(name=f"vllm:kvconnector_{name}", labelnames=labelnames,
-                          documentation=f"CrossLayerOffloadConnector CPU tier: {name}")
+                          documentation=f"CrossLayerOffloadConnector tiers: {name}")
             self._metrics[name] = create_metric_per_engine(metric, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -83,7 +83,7 @@ def test_round_trip_into_a_new_process_is_bit_exact(disk: Path) -> None:
         assert write_blocks(DIR, [10, 11, 12, 13], [7, 0, 3, 4]) == (True,) * 4
     """)
     assert done.returncode == 0, done.stderr
-    assert scan(disk, NS_DIGEST, BLOCK, 8) == {7: key(10), 0: key(11), 3: key(12), 4: key(13)}
+    assert scan(disk, NS_DIGEST, 8) == {7: key(10), 0: key(11), 3: key(12), 4: key(13)}
     ok, same = read_blocks(disk, [12, 10, 13, 11], [3, 7, 4, 0])
     assert ok == (True,) * 4 and same == [True] * 4
 
@@ -108,7 +108,7 @@ def test_writer_killed_mid_write_never_serves_the_partial_block(disk: Path, tear
         write_blocks(DIR, [2], [0])
     """)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    found = scan(disk, NS_DIGEST, BLOCK, 8)
+    found = scan(disk, NS_DIGEST, 8)
     assert found == ({0: key(1), 1: key(3)} if tear == "prefix" else {0: key(2), 1: key(3)})
     for name in (1, 2):  # neither the old block nor the new one is served from slot 0
         assert read_blocks(disk, [name], [0])[0] == (False,)
@@ -128,7 +128,7 @@ def test_flipped_bytes_fail_that_block_only(disk: Path) -> None:
             f.write(bytes([byte ^ 0x10]))
         f.flush()
         os.fsync(f.fileno())
-    assert sorted(scan(disk, NS_DIGEST, BLOCK, 8)) == [0, 1, 3]  # slot 2's footer is broken
+    assert sorted(scan(disk, NS_DIGEST, 8)) == [0, 1, 3]  # slot 2's footer is broken
     ok, same = read_blocks(disk, [20, 21, 22, 23], [0, 1, 2, 3])
     assert ok == (True, False, False, True)  # slot 2's bytes are intact, its footer is not
     assert same == [True, False, True, True]
@@ -185,7 +185,7 @@ def test_writes_past_the_bound_are_refused_whole(disk: Path) -> None:
     assert io.submit_write(3, [key(3)], [2], [2])  # room again
     io.close()
     pool.close()
-    assert sorted(scan(disk, NS_DIGEST, BLOCK, 8)) == [0, 1, 2]
+    assert sorted(scan(disk, NS_DIGEST, 8)) == [0, 1, 2]
 
 
 def test_full_file_system_fails_blocks_not_the_tier(tmp_path: Path) -> None:
@@ -216,10 +216,9 @@ def test_full_file_system_fails_blocks_not_the_tier(tmp_path: Path) -> None:
 def test_reopen_keeps_blocks_of_the_same_block_size_only(disk: Path) -> None:
     assert write_blocks(disk, [40, 41, 42], [1, 5, 6]) == (True,) * 3
     assert read_blocks(disk, [40, 41], [1, 5], num_slots=6) == ((True, True), [True, True])
-    assert scan(disk, NS_DIGEST, BLOCK, 8) == {1: key(40), 5: key(41)}  # 6, 7 were dropped
+    assert scan(disk, NS_DIGEST, 8) == {1: key(40), 5: key(41)}  # 6, 7 were dropped
     SlabFile(disk, NS_DIGEST, BLOCK + 4096, 8).close()  # another block size: a fresh slab
-    assert scan(disk, NS_DIGEST, BLOCK, 8) == {}
-    assert scan(disk, NS_DIGEST, BLOCK + 4096, 8) == {}
+    assert scan(disk, NS_DIGEST, 8) == {}
 
 
 def test_a_file_system_without_o_direct_is_refused_clearly(
@@ -254,4 +253,4 @@ def test_bad_input_raises_before_any_io(disk: Path) -> None:
     assert io.get_finished() == []
     io.close()
     pool.close()
-    assert scan(disk, NS_DIGEST, BLOCK, 4) == {}
+    assert scan(disk, NS_DIGEST, 4) == {}

@@ -61,7 +61,7 @@ def test_plan_load_splits_cpu_hits_and_remote_fetches() -> None:
     assert core.lookup("b", hs, 0, 4 * BS + 1) == 2 * BS  # readable while the put runs
     assert core.remote_candidates("b") == NS.keys(hs[2:])
     core.set_remote_hits("b", 1)
-    assert core.plan_load("b", hs, [5, 6, 7, 8, 9], 3 * BS) == (2, 1)
+    assert core.plan_load("b", hs, [5, 6, 7, 8, 9], 3 * BS) == (2, 0, 1)
     load = core.build_step().loads[0]
     assert (load.block_ids, load.keys, load.fail) == ((5, 6, 7), tuple(NS.keys(hs[2:3])), False)
     fetch_key = NS.key(hs[2])
@@ -82,7 +82,7 @@ def test_failed_fetch_forgets_the_key_and_no_room_fails_the_job() -> None:
     # Two remote hits, one slot: the job is planned failed (vLLM recomputes), nothing leaks.
     core.lookup("c", hs, 0, 2 * BS + 1)
     core.set_remote_hits("c", 2)
-    assert core.plan_load("c", hs, [5, 6], 2 * BS) == (0, 2)
+    assert core.plan_load("c", hs, [5, 6], 2 * BS) == (0, 0, 2)
     load = core.build_step().loads[0]
     assert load.fail and load.keys == ()
     core.complete(JobReport(failed={load.job_id: 1}))

@@ -339,9 +339,9 @@ def on_planned_load(engine: Engine, action: Callable[[], None]) -> None:
     core = engine.connector._scheduler
     plan_load = core.plan_load
 
-    def plan_then_act(*args: object, **kwargs: object) -> tuple[int, int]:
+    def plan_then_act(*args: object, **kwargs: object) -> tuple[int, int, int]:
         planned = plan_load(*args, **kwargs)
-        if planned[1]:
+        if planned[2]:
             action()
         return planned
 

@@ -205,19 +205,18 @@ def open_footer(footer: memoryview, slot: int) -> tuple[int, bytes, bytes] | Non
     return block_bytes, body[_FOOTER.size:], checksum
 
 
-def scan(directory: str | os.PathLike[str], digest: bytes, block_bytes: int,
-         num_slots: int) -> dict[int, bytes]:
-    """Slot -> key of every sound footer in the slab of `digest`, if that slab exists with
-    `block_bytes` blocks (slots past `num_slots` are ignored); blocks are checked when read."""
+def scan(directory: str | os.PathLike[str], digest: bytes, num_slots: int) -> dict[int, bytes]:
+    """Slot -> key of every sound footer in the slab of `digest` (slots past `num_slots` are
+    ignored); the blocks are checked when read."""
     path = slab_path(directory, digest)
     if not path.exists():
         return {}
     fd = open_direct(path, os.O_RDONLY)
     try:
         header = read_header(fd)
-        if header is None or header[0] != digest or header[1] != block_bytes:
+        if header is None or header[0] != digest:
             return {}
-        slots = min(header[2], num_slots)
+        block_bytes, slots = header[1], min(header[2], num_slots)
         stride = round_up(block_bytes) + FOOTER_BYTES
         chunks = [range(i, min(i + 256, slots)) for i in range(0, slots, 256)]
 
