@@ -25,6 +25,7 @@ from kvconnector.cli.units import parse_size
 DEFAULT_BLOCKS = 1024
 DEFAULT_BUDGET = {"cuda": "24G", "cpu": "512M"}  # both sides; CPU: the process stays < 1 GiB
 DEFAULT_PREFIX_TOKENS = 16384
+DEFAULT_DISK_BYTES = "1G"
 SEED = 0
 
 
@@ -68,6 +69,15 @@ def add_parser(subparsers: Any) -> None:
                        help="the user's password (else $KVCONNECTOR_REDIS_PASSWORD)")
     redis.add_argument("--redis-ca-file", type=Path, metavar="FILE",
                        help="CA of the nodes' certificates (rediss://)")
+    disk = p.add_argument_group("disk tier (measured alone, with --disk)")
+    disk.add_argument("--disk", type=Path, metavar="DIR",
+                      help="measure only the disk tier: write and read the cases' blocks through "
+                           "a slab in DIR (O_DIRECT) against fio on the same file system")
+    disk.add_argument("--disk-bytes", default=DEFAULT_DISK_BYTES, metavar="SIZE",
+                      help=f"bytes per case and direction (default {DEFAULT_DISK_BYTES})")
+    disk.add_argument("--disk-threads", type=int, default=None, metavar="N",
+                      help="requests in flight, the tier's threads and fio's iodepth (default "
+                           "the tier's default)")
     p.set_defaults(func=run)
 
 
@@ -85,7 +95,7 @@ def _int_list(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return _run(args)
+        return _run_disk(args) if args.disk is not None else _run(args)
     except BenchError as exc:
         print(f"kvconnector bench: error: {exc}", file=sys.stderr)
         return 2
@@ -172,6 +182,41 @@ def _command(args: argparse.Namespace, budget: str) -> str:
         if value is not None:
             parts += [flag, str(value)]
     return " ".join(parts)
+
+
+def _run_disk(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvconnector.bench.disk import measure_disk, print_disk
+    from transfer.disk.io import DEFAULT_THREADS
+
+    cases = _cases(args)
+    try:
+        total = parse_size(args.disk_bytes)
+    except ValueError as exc:
+        raise BenchError(f"--disk-bytes: {exc}") from None
+    threads = DEFAULT_THREADS if args.disk_threads is None else args.disk_threads
+    if threads <= 0 or args.repeats <= 0:
+        raise BenchError(f"--disk-threads and --repeats must be positive, got {threads}, "
+                         f"{args.repeats}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    disk = measure_disk(cases, args.disk, total, threads, args.repeats)
+    parts = ["kvconnector", "bench", "--preset", args.preset, "--disk", str(args.disk),
+             "--disk-bytes", str(args.disk_bytes), "--disk-threads", str(threads),
+             "--repeats", str(args.repeats)]
+    record = {"meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                       "host": platform.node(), "device": _device_name(device),
+                       "command": " ".join(parts), "disk": {k: v for k, v in disk.items()
+                                                            if k != "rows"}},
+              "disk": disk}
+    out = Console() if Console().is_terminal else Console(width=200)
+    print_disk(record, out)
+    if args.json is not None:
+        from kvconnector.bench.report import write_json
+
+        write_json(record, args.json)
+        out.print(f"wrote {args.json}")
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvconnector.offload.jobs import DiskWrite
+from kvconnector.offload.jobs import DiskWrite, JobReport
 from transfer.block_index import BlockIndex
 from transfer.disk.slab import scan, slot_bytes
 from transfer.keys import DIGEST_BYTES, Namespace
@@ -55,9 +55,14 @@ class _Spill:
 
 @dataclass
 class DiskCounters:
-    hit_tokens: int = 0
-    failed_reads: int = 0  # blocks
-    failed_writes: int = 0  # blocks
+    """OffloadCounters' disk_* fields (the names without the prefix)."""
+
+    read_bytes: int = 0
+    read_seconds: float = 0.0  # time with reads in flight (GB/s = bytes / seconds)
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    failed_reads: int = 0  # blocks: EIO, bad checksum (recomputed)
+    failed_writes: int = 0  # blocks: disk full, EIO, writes past the bound
     evictions: int = 0
 
 
@@ -76,6 +81,7 @@ class DiskPlanner:
         self.write_through = write_policy == "through"
         self.num_workers = num_workers
         self._spills: dict[int, _Spill] = {}
+        self._bad: dict[int, list[bytes]] = {}  # load job -> keys its reads failed
         self.counters = DiskCounters()
 
     def leading_hits(self, keys: Sequence[bytes], room: int) -> tuple[int, bool]:
@@ -98,30 +104,39 @@ class DiskPlanner:
         return DiskWrite(job_id, tuple(plan.keys), tuple(slot_of[k] for k in plan.keys),
                          tuple(plan.slots))
 
-    def is_spill(self, job_id: int) -> bool:
-        return job_id in self._spills
+    def apply(self, report: JobReport) -> list[bytes]:
+        """The disk part of the workers' report: bytes, finished writes (their good keys become
+        readable; failed ones never enter), failed reads (kept for `finish_load`). Returns the
+        pool keys whose writes are done, to unpin."""
+        for name in ("read_bytes", "read_seconds", "write_bytes", "write_seconds"):
+            setattr(self.counters, name, getattr(self.counters, name)
+                    + getattr(report, f"disk_{name}"))
+        for job_id, keys in report.disk_bad.items():
+            if job_id not in self._spills:
+                self._bad.setdefault(job_id, []).extend(keys)
+        unpin: list[bytes] = []
+        for job_id, count in report.spilled.items():
+            spill = self._spills.get(job_id)
+            if spill is None or not 0 < count <= spill.pending:
+                raise ValueError(f"spill report of {count} worker(s) for job {job_id!r}, which "
+                                 f"{'waits for ' + str(spill.pending) if spill else 'is unknown'}")
+            spill.pending -= count
+            spill.bad.update(report.disk_bad.get(job_id, ()))
+            if spill.pending == 0:
+                del self._spills[job_id]
+                flags = [key not in spill.bad for key in spill.keys]
+                self.counters.failed_writes += flags.count(False)
+                self.index.complete_store(spill.keys, flags)
+                unpin += spill.pinned
+        return unpin
 
-    def report_spill(self, job_id: int, count: int, bad: Sequence[bytes]) -> list[bytes] | None:
-        """`count` workers finished the write `job_id`, failing `bad`; once all have, the good
-        keys become readable and the pool keys to unpin are returned (else None)."""
-        spill = self._spills.get(job_id)
-        if spill is None or not 0 < count <= spill.pending:
-            raise ValueError(f"spill report of {count} worker(s) for job {job_id!r}, which "
-                             f"{'waits for ' + str(spill.pending) if spill else 'is unknown'}")
-        spill.pending -= count
-        spill.bad.update(bad)
-        if spill.pending:
-            return None
-        del self._spills[job_id]
-        flags = [key not in spill.bad for key in spill.keys]
-        self.counters.failed_writes += flags.count(False)
-        self.index.complete_store(spill.keys, flags)
-        return spill.pinned
-
-    def forget_bad(self, keys: Sequence[bytes]) -> None:
-        """Blocks a disk read failed: they leave the index (recomputed and written again)."""
-        self.counters.failed_reads += len(keys)
-        self.index.remove([k for k in keys if self.index.contains(k)])
+    def finish_load(self, job_id: int, keys: Sequence[bytes]) -> None:
+        """A load that read `keys` ended: they are unpinned; those a read failed leave the index
+        (recomputed, then written again)."""
+        self.index.complete_load(list(keys))
+        bad = self._bad.pop(job_id, [])
+        self.counters.failed_reads += len(bad)
+        self.index.remove([k for k in bad if self.index.contains(k)])
 
     @property
     def spills_in_flight(self) -> int:

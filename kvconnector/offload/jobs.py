@@ -95,7 +95,9 @@ class JobReport:
         return JobReport(*counts, bad, *totals)
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed or self.put or self.spilled)
+        """Nothing to send (a report of disk bytes or bad keys alone is not empty)."""
+        return not (self.done or self.failed or self.put or self.spilled or self.disk_bad
+                    or self.disk_read_bytes or self.disk_write_bytes)
 
 
 _TOTALS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "disk_read_bytes",

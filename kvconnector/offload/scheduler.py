@@ -35,7 +35,7 @@ Block safety (a GPU block must not be reused while a store still reads it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
@@ -59,12 +59,12 @@ class OffloadCounters:
     unplaced_blocks: int = 0  # blocks not stored: every slot busy
     remote_hit_tokens: int = 0  # of hit_tokens, fetched from the remote store
     disk_hit_tokens: int = 0  # of hit_tokens, read from the disk tier
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0  # time with disk reads in flight (GB/s = bytes / seconds)
+    disk_read_bytes: int = 0  # disk_*: see DiskCounters
+    disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
     disk_write_seconds: float = 0.0
-    disk_failed_reads: int = 0  # blocks: EIO, bad checksum (recomputed)
-    disk_failed_writes: int = 0  # blocks: disk full, EIO, writes past the bound
+    disk_failed_reads: int = 0
+    disk_failed_writes: int = 0
     disk_evictions: int = 0
     remote_lookup_failures: int = 0  # store lookups late or failed (answered from the CPU tier)
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
@@ -137,7 +137,6 @@ class OffloadScheduler:
         # a failed copy included); the keys stay pinned like a load meanwhile, so no new store
         # reuses their slots while zmq reads them.
         self._puts: dict[int, _Put] = {}
-        self._bad_keys: dict[int, list[bytes]] = {}  # load job -> keys its disk reads failed
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
@@ -311,18 +310,8 @@ class OffloadScheduler:
         self._counters.load_seconds += report.load_seconds
         self._counters.store_bytes += report.store_bytes
         self._counters.store_seconds += report.store_seconds
-        for name in ("read_bytes", "read_seconds", "write_bytes", "write_seconds"):
-            setattr(self._counters, f"disk_{name}", getattr(self._counters, f"disk_{name}")
-                    + getattr(report, f"disk_{name}"))
-        for job_id, keys in report.disk_bad.items():
-            if job_id in self._jobs:  # a load's disk reads that failed
-                self._bad_keys.setdefault(job_id, []).extend(keys)
-        for job_id, count in report.spilled.items():
-            if self.disk is None:
-                raise ValueError(f"spill report for job {job_id!r} without a disk tier")
-            unpin = self.disk.report_spill(job_id, count, report.disk_bad.get(job_id, ()))
-            if unpin:
-                self.index.complete_load(unpin)
+        if self.disk is not None and (unpin := self.disk.apply(report)):
+            self.index.complete_load(unpin)  # written through: the pool may evict them now
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
                 job = self._jobs.get(job_id)
@@ -376,8 +365,7 @@ class OffloadScheduler:
             if job.fetch_keys:
                 self.index.complete_store(job.fetch_keys, not job.failed and not self.remote_only)
             if job.disk_keys:
-                self.disk.index.complete_load(job.disk_keys)
-                self.disk.forget_bad(self._bad_keys.pop(job_id, []))
+                self.disk.finish_load(job_id, job.disk_keys)
             if job.failed:
                 # The slots may hold bad bytes: drop the keys so the recomputed blocks are
                 # stored again, and store this request's blocks again from the failed load on.
@@ -416,10 +404,8 @@ class OffloadScheduler:
         counters.evictions = evictions - self._evictions_seen
         counters.jobs_in_flight = len(self._jobs) + len(self._puts)
         if self.disk is not None:
-            disk = self.disk.take_counters()
-            counters.disk_failed_reads = disk.failed_reads
-            counters.disk_failed_writes = disk.failed_writes
-            counters.disk_evictions = disk.evictions
+            for name, value in asdict(self.disk.take_counters()).items():
+                setattr(counters, f"disk_{name}", value)
             counters.jobs_in_flight += self.disk.spills_in_flight
         self._evictions_seen = evictions
         return counters

@@ -1,0 +1,114 @@
+"""The disk tier below the host pool, through vLLM's real Scheduler and AsyncScheduler
+(vllm_connector/vllm_harness.py; the fake worker compares every byte a request starts from).
+
+A pool too small for two prompts sends the evicted blocks to disk and serves them back; a new
+engine on the same directory (a restart) finds every rank's blocks and loads as many as its
+pool holds; a block flipped on disk is caught by its checksum and recomputed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as h  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm_harness import make_prompt, poison_gpu, run_to_completion, total_stats  # noqa: E402
+
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up  # noqa: E402
+from transfer.disk.slab import slab_path  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
+
+BS = h.BLOCK_SIZE
+
+
+def make_engine(model_dir: str, disk: Path, cpu_slots: int, write_policy: str,
+                async_scheduling: bool = False, tp: int = 1, pp: int = 1,
+                mla: bool = False) -> h.Engine:
+    # A slot holds the largest stage's layers, as the connector sizes it.
+    slot = round_up(max(map(len, h.stage_layers(pp))) * h.page_bytes(tp, mla), HOST_ALIGNMENT)
+    config = {"cpu_bytes": cpu_slots * slot, "disk_path": str(disk),
+              "disk_bytes": 64 * (slot + 4096), "disk_write_policy": write_policy}
+    return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp, mla=mla,
+                                  extra_config=config))
+
+
+def hit_sources(engine: h.Engine, req_id: str, prompt: list[int], max_tokens: int,
+                tokens: int) -> dict:
+    """Where the connector plans `req_id`'s first load from (added and stepped to its load)."""
+    request = engine.add(req_id, prompt, max_tokens)
+    engine.run(until=lambda: request.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    return engine.connector.get_external_cache_hit_sources(request, tokens)
+
+
+@pytest.mark.parametrize(("async_scheduling", "tp", "pp", "mla"), [
+    pytest.param(False, 1, 1, False, id="Scheduler-tp1"),
+    pytest.param(True, 2, 1, False, id="AsyncScheduler-tp2"),
+    pytest.param(False, 1, 2, True, id="Scheduler-pp2-mla")])
+def test_evicted_blocks_come_back_from_disk_bit_exact(
+        model_dir: str, tmp_path: Path, async_scheduling: bool, tp: int, pp: int,
+        mla: bool) -> None:
+    engine = make_engine(model_dir, tmp_path / "disk", 8, "evict", async_scheduling, tp, pp, mla)
+    a, b = make_prompt(1, 6 * BS + 5), make_prompt(2, 6 * BS + 3)
+    run_to_completion(engine, {"a": (a, 2)})
+    run_to_completion(engine, {"b": (b, 2)})  # 6 blocks in 8 slots: a's tail 4 go to disk
+    assert total_stats(engine).data["disk_write_bytes"] == 4 * tp * h.block_bytes(tp, mla)
+    poison_gpu(engine)
+    assert engine.scheduler.reset_prefix_cache()  # vLLM's GPU prefix cache, not the tiers
+    assert hit_sources(engine, "a2", a, 2, 6 * BS) == {"host": 2 * BS, "disk": 4 * BS}
+    run_to_completion(engine, {"a2": (a, 2)})
+    for worker in engine.workers:
+        assert worker.starts["a2"] == [6 * BS]
+        assert worker.prefix_checks >= 6 * BS  # every loaded byte compared
+    stats = total_stats(engine).data
+    assert (stats["disk_hit_tokens"], stats["disk_failed_reads"]) == (4 * BS, 0)
+    assert stats["disk_read_bytes"] == 4 * tp * h.block_bytes(tp, mla)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_restarted_engine_with_a_small_pool_loads_its_blocks_from_disk(
+        model_dir: str, tmp_path: Path, async_scheduling: bool) -> None:
+    first = make_engine(model_dir, tmp_path / "disk", 16, "through", async_scheduling, tp=2)
+    prompt = make_prompt(3, 6 * BS + 7)
+    run_to_completion(first, {"a": (prompt, 3)})
+    h.Engine.shutdown_all()  # the workers close their slabs
+    second = make_engine(model_dir, tmp_path / "disk", 4, "through", async_scheduling, tp=2)
+    assert len(second.connector._scheduler.disk.index) == 6
+    poison_gpu(second)
+    # A pool of 4 slots takes 4 of the 6 blocks on disk now; vLLM computes the rest.
+    assert hit_sources(second, "b", prompt, 3, 4 * BS) == {"disk": 4 * BS}
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [4 * BS] and worker.prefix_checks >= 4 * BS
+    assert total_stats(second).data["disk_hit_tokens"] == 4 * BS
+
+
+def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -> None:
+    first = make_engine(model_dir, tmp_path / "disk", 16, "through")
+    prompt = make_prompt(5, 5 * BS + 1)
+    run_to_completion(first, {"a": (prompt, 2)})
+    h.Engine.shutdown_all()
+    second = make_engine(model_dir, tmp_path / "disk", 16, "through")
+    disk = second.connector._scheduler.disk
+    key = h.prompt_keys(second, prompt)[2]
+    slot = disk.index.prepare_load([key]).slots[0]
+    disk.index.complete_load([key])
+    slab = second.workers[0].connector._worker.disk.slab
+    with slab_path(tmp_path / "disk", slab.digest).open("r+b") as f:
+        f.seek(slab.offset(slot) + 1000)
+        byte = f.read(1)[0]
+        f.seek(slab.offset(slot) + 1000)
+        f.write(bytes([byte ^ 0x80]))
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 2)})  # tokens checked: recomputed from block 2
+    worker = second.workers[0]
+    assert worker.starts["b"] == [2 * BS]  # blocks 0 and 1 loaded, 2 on recomputed
+    stats = total_stats(second).data
+    assert (stats["disk_failed_reads"], stats["failed_loads"]) == (1, 1)
+    # The recomputed block was stored in the pool and written to disk again.
+    assert second.connector._scheduler.index.contains(key) and disk.index.contains(key)
