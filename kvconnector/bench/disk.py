@@ -35,12 +35,12 @@ POISON = 0x5A
 def measure_disk(cases: list[Any], path: Path, total_bytes: int, threads: int,
                  repeats: int) -> dict[str, Any]:
     """One row per distinct block size of `cases`: tier and fio GB/s each way, and ratios."""
+    if not path.is_dir():
+        raise BenchError(f"--disk {str(path)!r} is not a directory")
     fio = shutil.which("fio")
     if fio is None:
         raise BenchError("fio is not installed (Debian: apt-get install fio; offline: unpack "
                          "its .deb files and put its bin/ on PATH)")
-    if not path.is_dir():
-        raise BenchError(f"--disk {str(path)!r} is not a directory")
     sizes: dict[int, str] = {}
     for case in cases:
         sizes.setdefault(case.layout.block_bytes, case.name)

@@ -254,3 +254,11 @@ def test_bad_input_raises_before_any_io(disk: Path) -> None:
     io.close()
     pool.close()
     assert scan(disk, NS_DIGEST, 4) == {}
+
+
+def test_a_slab_has_one_writer(disk: Path) -> None:
+    first = SlabFile(disk, NS_DIGEST, BLOCK, 4)
+    with pytest.raises(DiskError, match="in use by another engine"):
+        SlabFile(disk, NS_DIGEST, BLOCK, 4)
+    first.close()
+    SlabFile(disk, NS_DIGEST, BLOCK, 4).close()

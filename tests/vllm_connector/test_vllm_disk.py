@@ -19,6 +19,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import make_prompt, poison_gpu, run_to_completion, total_stats  # noqa: E402
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up  # noqa: E402
+from kvconnector.vllm.options import ConnectorOptions  # noqa: E402
 from transfer.disk.slab import slab_path  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
@@ -112,3 +113,25 @@ def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -
     assert (stats["disk_failed_reads"], stats["failed_loads"]) == (1, 1)
     # The recomputed block was stored in the pool and written to disk again.
     assert second.connector._scheduler.index.contains(key) and disk.index.contains(key)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"disk_bytes": 1 << 30}, r"\['disk_bytes'\] given without disk_path"),
+    ({"disk_write_policy": "through"}, "without disk_path"),
+    ({"disk_path": "/tmp/x"}, "needs disk_bytes"),
+    ({"disk_path": "/tmp/x", "disk_bytes": 0}, "needs disk_bytes.*got 0"),
+    ({"disk_path": "", "disk_bytes": 1}, "disk_path must be a directory"),
+    ({"disk_path": "/tmp/x", "disk_bytes": 1, "disk_write_policy": "back"},
+     "disk_write_policy must be one of"),
+])
+def test_disk_options_refuse_bad_values(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorOptions.parse({"cpu_bytes": 1, **extra})
+
+
+def test_disk_bytes_without_room_for_a_block_is_refused(model_dir: str, tmp_path: Path) -> None:
+    slot = h.block_bytes(1)  # a multiple of 4 KiB: a disk slot is one more 4 KiB
+    extra = {"cpu_bytes": 4 * slot, "disk_path": str(tmp_path), "disk_bytes": slot}
+    with pytest.raises(ValueError, match=f"disk_bytes {slot} holds no block"):
+        h.Engine(h.EngineSetup(model_dir=model_dir, extra_config=extra))
+    assert not list(tmp_path.iterdir())  # nothing written

@@ -16,6 +16,7 @@ module runs them on threads. Errors raise DiskError (OSError from the file syste
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import struct
@@ -82,6 +83,14 @@ class SlabFile:
             raise DiskError(f"cannot create the disk tier directory {self.path.parent}: "
                             f"{exc}") from exc
         self.fd = open_direct(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            # One writer per slab: two engines on one directory would overwrite each other's
+            # slots (never served, checksums catch it, but every block would be a miss).
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise DiskError(f"{self.path} is in use by another engine (same model and rank on "
+                            f"one disk_path): give each engine its own directory") from None
         try:
             self._prepare()
         except BaseException:

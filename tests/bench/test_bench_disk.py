@@ -1,0 +1,43 @@
+"""`kvconnector bench --disk` end to end at a tiny size (needs fio). No timed assertions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_bench import exit_code
+
+from kvconnector.cli import main
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio (Debian package fio)")
+def test_disk_bench_measures_both_block_sizes_against_fio(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "disk.json"
+    argv = ["bench", "--preset", "llama-3.1-8b,llama-3.1-70b-tp8", "--disk", str(tmp_path),
+            "--disk-bytes", "16M", "--disk-threads", "4", "--repeats", "1", "--json", str(js)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Disk tier" in out and "fio write GB/s" in out
+    record = json.loads(js.read_text())
+    rows = record["disk"]["rows"]
+    assert [(r["block_bytes"], r["request_bytes"], r["queue_depth"]) for r in rows] == [
+        (2 << 20, (2 << 20) + 4096, 4), (640 << 10, (640 << 10) + 4096, 4)]
+    assert [r["blocks"] for r in rows] == [8, 25]  # 16 MiB of requests, 2 per thread or more
+    for row in rows:
+        for key in ("tier_write_GBps", "tier_read_GBps", "fio_write_GBps", "fio_read_GBps"):
+            assert row[key] > 0
+        assert row["write_ratio"] == pytest.approx(row["tier_write_GBps"] / row["fio_write_GBps"],
+                                                   rel=0.01)
+    assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-8b,")
+    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # slab and fio file removed
+
+
+def test_disk_bench_refuses_a_missing_directory(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--preset", "llama-3.1-8b", "--disk", str(tmp_path / "none"),
+            "--repeats", "1"]
+    assert exit_code(argv) == 2
+    assert "is not a directory" in capsys.readouterr().err
