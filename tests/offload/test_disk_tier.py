@@ -168,14 +168,17 @@ def test_evict_policy_writes_a_victim_before_its_slot_is_stored_again(disk: Path
         worker.close()
 
 
-def test_restart_in_a_new_process_finds_the_blocks(disk: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("order", ["BLNHC", "LBNHC"])
+def test_restart_in_a_new_process_finds_the_blocks(disk: Path, device: str, order: str) -> None:
+    """cache -> pool -> disk in one process; a fresh pool in a new one -> cache, every byte."""
     script = f"""
         import sys
         sys.path[:0] = [{str(REPO)!r}, {str(Path(__file__).parent)!r}]
         from pathlib import Path
         from test_disk_tier import tier, store, hashes
         from test_offload_worker import make_caches, fill_random
-        caches = make_caches("BLNHC")
+        caches = make_caches({order!r}, {device!r})
         core, worker = tier(Path({str(disk)!r}), caches, 8, "through")
         fill_random(caches, [1, 3, 5, 7], seed=31)
         store(core, worker, "a", hashes("a", 4), [1, 3, 5, 7])
@@ -185,8 +188,8 @@ def test_restart_in_a_new_process_finds_the_blocks(disk: Path) -> None:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    expected = fill_random(make_caches("BLNHC"), [1, 3, 5, 7], seed=31)
-    caches = make_caches("BLNHC")
+    expected = fill_random(make_caches(order), [1, 3, 5, 7], seed=31)
+    caches = make_caches(order, device)
     poison(caches, list(range(12)))
     core, worker = tier(disk, caches, 8, "through")
     try:
