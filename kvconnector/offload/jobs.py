@@ -61,9 +61,11 @@ class StepJobs:
     flush: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
     spills: list[DiskWrite] = field(default_factory=list)
+    erase_disk: bool = False  # the tiers were reset: no block on disk may come back
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.flush or self.held or self.spills)
+        return not (self.loads or self.stores or self.flush or self.held or self.spills
+                    or self.erase_disk)
 
 
 @dataclass

@@ -156,9 +156,9 @@ class OffloadScheduler:
         keys = self.namespace.keys(list(block_hashes[start:end]))
         hits = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
         lookup = self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
-        if self.disk is not None:
+        if self.disk is not None:  # room: slots to read into, past the hits the load pins
             lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
-                lookup.rest, self.index.num_reclaimable)
+                lookup.rest, max(0, self.index.num_reclaimable - hits))
         return (hits + lookup.disk_hits) * self.block_size
 
     def remote_candidates(self, req_id: str) -> list[bytes]:
@@ -385,8 +385,9 @@ class OffloadScheduler:
     def reset(self) -> None:
         """Forget every stored block (jobs in flight finish; their slots drain)."""
         self.index.clear()
-        if self.disk is not None:
+        if self.disk is not None:  # and on disk, or a restart would find them again
             self.disk.index.clear()
+            self._step.erase_disk = True
         for state in self._requests.values():
             state.stored_upto = 0
 

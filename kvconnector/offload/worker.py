@@ -142,6 +142,9 @@ class OffloadWorker:
         self.engine.wait(step.flush)
 
     def start_loads(self, step: StepJobs) -> None:
+        if step.erase_disk and self.disk is not None:
+            self.disk.wait()  # reset_cache: rare, and writes in flight must not outlive it
+            self.disk.slab.erase()
         for write in step.spills:
             self._spill(write)
         for job in step.loads:

@@ -244,12 +244,36 @@ def test_disk_capacity_evicts_and_a_lookup_takes_only_what_the_pool_can_hold(dis
         assert [core.disk.index.contains(k) for k in keys] == [True, False, True, True]
         assert core.take_counters().disk_evictions == 1
         core.plan_stores("c", hashes("c", 1), [4], BS)  # evicts b1 from the pool: room 1
-        assert core.lookup("d", hashes("b", 2), 0, 100) == 2 * BS  # b0 in the pool, b1 on disk
+        # b0 is in the pool and b1 on disk, but the load pins b0: no slot left to read b1 into.
+        assert core.lookup("d", hashes("b", 2), 0, 100) == 1 * BS
         assert core.lookup("e", hashes("a", 1), 0, 100) == 1 * BS  # a0 on disk, room 1
         core.plan_stores("f", hashes("f", 1), [5], BS)  # the last pool slot: room 0
         assert core.lookup("e", hashes("a", 1), 0, 100) == 0
         assert core.remote_candidates("e") == []  # the disk run is cut: nothing after it
         settle(core, worker)  # c and f written through: a0 and b0 leave the disk
         assert core.index.num_reclaimable == 2 and core.take_counters().disk_evictions == 2
+    finally:
+        worker.close()
+
+
+def test_reset_erases_the_disk_so_a_restart_finds_nothing(disk: Path) -> None:
+    caches = make_caches("BLNHC")
+    core, worker = tier(disk, caches, 4, "through")
+    try:
+        fill_random(caches, [0, 1], seed=51)
+        store(core, worker, "a", hashes("a", 2), [0, 1])
+        assert len(restored_blocks(disk, NS.digest, [NS.digest], DISK_SLOTS)) == 2
+        core.reset()
+        assert len(core.disk.index) == 0 and core.lookup("b", hashes("a", 2), 0, 100) == 0
+        step, _ = run_step(core, worker)
+        assert step.erase_disk
+        assert restored_blocks(disk, NS.digest, [NS.digest], DISK_SLOTS) == {}
+        fill_random(caches, [2], seed=52)
+        store(core, worker, "c", hashes("c", 1), [2])  # the erased slab takes blocks again
+    finally:
+        worker.close()
+    core, worker = tier(disk, caches, 4, "through")
+    try:
+        assert len(core.disk.index) == 1 and core.disk.index.contains(NS.key(b"c0"))
     finally:
         worker.close()

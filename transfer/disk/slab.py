@@ -104,6 +104,11 @@ class SlabFile:
     def offset(self, slot: int) -> int:
         return ALIGN + slot * self.stride
 
+    def erase(self) -> None:
+        """Forget every block (the header stays): no footer survives, none is found again."""
+        os.ftruncate(self.fd, ALIGN)
+        self._allocate()
+
     def _prepare(self) -> None:
         header = read_header(self.fd)
         if header is None or header[0] != self.digest or header[1] != self.block_bytes:
@@ -115,6 +120,9 @@ class SlabFile:
             packed = _HEADER.pack(*fields)
             buf[:len(packed) + 8] = packed + _SEAL.pack(xxhash.xxh64_intdigest(packed))
             _write_all(self.fd, [buf], 0, "the slab header")
+        self._allocate()
+
+    def _allocate(self) -> None:
         size = self.offset(self.num_slots)
         os.ftruncate(self.fd, size)
         try:
