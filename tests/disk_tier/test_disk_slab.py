@@ -138,11 +138,14 @@ class FaultySlab(SlabFile):
     """Reads of `bad` slots fail with EIO; writes wait for `gate` when it is set."""
 
     bad: set[int] = set()
+    crash: set[int] = set()
     gate: threading.Event | None = None
 
     def read(self, slot: int, key: bytes, into: memoryview, footer: memoryview) -> None:
         if slot in self.bad:
             raise OSError(errno.EIO, f"injected read error in slot {slot}")
+        if slot in self.crash:
+            raise RuntimeError(f"injected bug in slot {slot}")
         super().read(slot, key, into, footer)
 
     def write(self, slot: int, key: bytes, data: memoryview, footer: memoryview) -> None:
@@ -167,6 +170,20 @@ def test_injected_read_error_fails_that_block_and_is_counted(disk: Path) -> None
     counters = io.take_counters()
     assert (counters.read_bytes, counters.failed_reads) == (2 * BLOCK, 1)
     assert "injected read error in slot 6" in io.last_error
+    io.close()
+    pool.close()
+
+
+def test_an_unexpected_exception_fails_the_block_not_the_thread(disk: Path) -> None:
+    assert write_blocks(disk, [33, 34], [0, 1]) == (True, True)
+    pool = make_pool(BLOCK, 2)
+    slab = FaultySlab(disk, NS_DIGEST, BLOCK, 8)
+    slab.crash = {0}
+    io = DiskIO(slab, pool.slots, threads=1)  # one thread: it must survive to read slot 1
+    io.submit_read(1, [key(33), key(34)], [0, 1], [0, 1])
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(False, True)]
+    assert "injected bug in slot 0" in io.last_error
     io.close()
     pool.close()
 

@@ -218,8 +218,8 @@ class DiskIO:
                 self.slab.write(job.disk_slots[i], job.keys[i], data, footer)
             else:
                 self.slab.read(job.disk_slots[i], job.keys[i], data, footer)
-        except (DiskError, OSError, ValueError) as exc:
-            self.last_error = str(exc)
+        except Exception as exc:  # any failure fails this block, never the thread (no stall)
+            self.last_error = str(exc) if isinstance(exc, DiskError | OSError) else repr(exc)
             return False
         return True
 
