@@ -44,6 +44,10 @@ def add_parser(subparsers: Any) -> None:
                        help="bytes of blocks to hold, e.g. 8GiB")
     serve.add_argument("--max-block-size", type=_size_arg, default=Limits().max_block_bytes,
                        help="largest block accepted (default 64MiB)")
+    serve.add_argument("--buffer-budget", type=_size_arg,
+                       help="what zmq may hold for all connections together before the peer "
+                            "holding the most is dropped (default: 256MiB or four of the "
+                            "largest requests, whichever is more)")
     _add_security_options(serve, server=True)
     serve.set_defaults(func=_serve)
     stats = commands.add_parser("stats", help="print a store's counters as JSON")
@@ -107,8 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         security = _security(args, server=True)
-        server = StoreServer(args.listen, args.capacity, security,
-                             limits=Limits(max_block_bytes=args.max_block_size))
+        limits = Limits(max_block_bytes=args.max_block_size,
+                        max_message_bytes=max(Limits().max_message_bytes, args.max_block_size))
+        server = StoreServer(args.listen, args.capacity, security, limits=limits,
+                             buffer_budget_bytes=args.buffer_budget)
         endpoint = server.bind()
     except (ValueError, zmq.ZMQError) as exc:
         print(f"kvconnector store serve: {exc}", file=sys.stderr)

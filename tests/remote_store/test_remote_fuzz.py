@@ -85,14 +85,27 @@ def bystander(store: StoreProcess) -> Iterator[Bystander]:
     watcher.stop()
 
 
+class FreshPeer:
+    """A new connection per request: the store drops a connection that keeps sending invalid
+    requests (test_remote_flood.py), and each example here sends one or two."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def request(self, frames: list[bytes], timeout_s: float) -> list[bytes] | None:
+        peer = RawPeer(self.url)
+        try:
+            return peer.request(frames, timeout_s)
+        finally:
+            peer.close()
+
+
 @pytest.fixture(scope="module")
-def peer(store: StoreProcess, bystander: Bystander) -> Iterator[RawPeer]:
-    fuzzer = RawPeer(store.url)
-    yield fuzzer
-    fuzzer.close()
+def peer(store: StoreProcess, bystander: Bystander) -> FreshPeer:
+    return FreshPeer(store.url)
 
 
-def _ask(peer: RawPeer, frames: list[bytes]) -> Reply:
+def _ask(peer: FreshPeer, frames: list[bytes]) -> Reply:
     answer = peer.request(frames, timeout_s=10.0)
     assert answer is not None, "the store did not answer"
     assert len(answer) == 1, f"an error or put reply is one frame, got {len(answer)}"
@@ -150,14 +163,14 @@ WRONG_TYPES = {
 
 @FUZZ
 @given(header=st.binary(max_size=300), extra=st.lists(st.binary(max_size=64), max_size=3))
-def test_garbage_headers(peer: RawPeer, header: bytes, extra: list[bytes]) -> None:
+def test_garbage_headers(peer: FreshPeer, header: bytes, extra: list[bytes]) -> None:
     reply = _ask(peer, [header, *extra])
     assert not reply.ok and reply.code in {"malformed", "version", "frames"}
 
 
 @FUZZ
 @given(data=st.data(), field=st.sampled_from(sorted(WRONG_TYPES)), blocks=blocks_st)
-def test_fields_of_the_wrong_type(peer: RawPeer, data: st.DataObject, field: str,
+def test_fields_of_the_wrong_type(peer: FreshPeer, data: st.DataObject, field: str,
                                   blocks: list[bytes]) -> None:
     keys = _fresh_keys(len(blocks))
     value = data.draw(WRONG_TYPES[field], label=field)
@@ -168,7 +181,7 @@ def test_fields_of_the_wrong_type(peer: RawPeer, data: st.DataObject, field: str
 
 @FUZZ
 @given(blocks=blocks_st.filter(lambda b: len(b) > 1), data=st.data())
-def test_truncated_messages(store: StoreProcess, peer: RawPeer, blocks: list[bytes],
+def test_truncated_messages(store: StoreProcess, peer: FreshPeer, blocks: list[bytes],
                             data: st.DataObject) -> None:
     keys = _fresh_keys(len(blocks))
     frames = _put(keys, blocks)
@@ -185,7 +198,7 @@ def test_truncated_messages(store: StoreProcess, peer: RawPeer, blocks: list[byt
 
 @FUZZ
 @given(size=st.integers(MAX_BLOCK + 1, 2**40), count=st.integers(4097, 5000))
-def test_oversized_declarations(peer: RawPeer, size: int, count: int) -> None:
+def test_oversized_declarations(peer: FreshPeer, size: int, count: int) -> None:
     key = NS.key(b"oversized")
     reply = _ask(peer, [encode_request(5, Op.PUT, NS.digest, [key], [size], [0]), b"x"])
     assert (reply.request_id, reply.ok, reply.code) == (5, False, "limit")
@@ -196,7 +209,7 @@ def test_oversized_declarations(peer: RawPeer, size: int, count: int) -> None:
 
 @FUZZ
 @given(blocks=blocks_st, flips=st.lists(st.integers(1, 2**64 - 1), min_size=4, max_size=4))
-def test_wrong_checksums(store: StoreProcess, peer: RawPeer, blocks: list[bytes],
+def test_wrong_checksums(store: StoreProcess, peer: FreshPeer, blocks: list[bytes],
                          flips: list[int]) -> None:
     keys = _fresh_keys(len(blocks))
     frames = _put(keys, blocks)
@@ -210,7 +223,7 @@ def test_wrong_checksums(store: StoreProcess, peer: RawPeer, blocks: list[bytes]
 
 @FUZZ
 @given(version=st.integers(2, 2**32), hashes=st.lists(hashes_st, min_size=1, max_size=3))
-def test_version_and_namespace_mismatches(peer: RawPeer, version: int,
+def test_version_and_namespace_mismatches(peer: FreshPeer, version: int,
                                           hashes: list[bytes]) -> None:
     frames = _put(NS.keys(hashes), [b"v"] * len(hashes), {"v": version})
     reply = _ask(peer, frames)
@@ -240,5 +253,6 @@ def test_the_bystander_was_served_throughout(bystander: Bystander) -> None:
         stats = client.stats()
     assert stats["internal_errors"] == 0
     assert stats["request_errors"] > 0  # the fuzzing did reach the store
+    assert stats["dropped_peers"] == 0  # one or two invalid requests per connection
     assert bystander.failures == []
     assert served_before > 0

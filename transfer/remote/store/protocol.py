@@ -27,6 +27,9 @@ from transfer.remote.backend import MAX_KEY_BYTES, BlockStatus
 PROTOCOL_VERSION = 1
 # ZMQ_MAXMSGSIZE counts a frame as it travels: CURVE wraps each frame in a larger MESSAGE command
 FRAME_SLACK_BYTES = 4096
+# what a frame costs on the wire beyond its bytes: ZMTP's flags and size (9 B), with CURVE a
+# MESSAGE command's name, nonce and MAC (33 B more)
+FRAME_OVERHEAD_BYTES = 64
 _UINT64_LIMIT = 1 << 64
 
 
@@ -63,7 +66,7 @@ class Limits:
 
     max_block_bytes: int = 64 << 20
     max_batch_blocks: int = 4096
-    max_message_bytes: int = 1 << 30
+    max_message_bytes: int = 64 << 20  # the blocks of one put
     max_header_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -77,6 +80,12 @@ class Limits:
     def max_frame_bytes(self) -> int:
         """Transport limit (ZMQ_MAXMSGSIZE): a peer sending a larger frame is disconnected."""
         return max(self.max_block_bytes, self.max_header_bytes) + FRAME_SLACK_BYTES
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The most a valid request puts on the wire: header, blocks and framing."""
+        return (self.max_header_bytes + self.max_message_bytes
+                + (self.max_batch_blocks + 1) * FRAME_OVERHEAD_BYTES)
 
 
 @dataclass(frozen=True)

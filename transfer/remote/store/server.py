@@ -9,6 +9,9 @@ see DEFAULT_VERIFY_THREADS); puts are stored and answered in arrival order once
 checked, so a block is never stored (or served) before its bytes have matched their checksum.
 Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
 the `kvconnector store serve` command).
+
+What zmq may hold for the connections is bounded and a peer that keeps sending invalid requests
+is dropped (transfer.remote.store.admission; docs/protocol.md, "Limits").
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.store.admission import CHECK_INTERVAL_S, RECEIVE_HWM, PeerGuard
 from transfer.remote.store.memory import BlockStore, StoredBlock
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
@@ -50,9 +55,15 @@ _IDLE_POLL_MS = 100
 _BUSY_POLL_MS = 5  # while replies are in flight, release their pins promptly
 COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "put_existing",
             "put_corrupt", "put_size", "put_full", "get_blocks", "get_bytes", "get_missing",
-            "request_errors", "internal_errors", "dropped_replies", "auth_refused")
+            "request_errors", "internal_errors", "dropped_replies", "auth_refused",
+            "discarded_requests")
 # one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
 _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_SRCFD = int(zmq.SRCFD)
+# What zmq may hold for all connections together, at least this and room for four of the
+# largest requests (docs/protocol.md, "Limits")
+MIN_BUFFER_BUDGET_BYTES = 256 << 20
 # Puts carrying at least this many bytes are checked on the worker threads, one task per thread;
 # smaller ones inline, where hashing them costs less than a thread hop.
 VERIFY_INLINE_BYTES = 1 << 20
@@ -78,7 +89,8 @@ class StoreServer:
     """A block store listening on `listen` (tcp://HOST:PORT; PORT may be * for a free port)."""
 
     def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
-                 limits: Limits | None = None, verify_threads: int | None = None) -> None:
+                 limits: Limits | None = None, verify_threads: int | None = None,
+                 buffer_budget_bytes: int | None = None) -> None:
         tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
@@ -91,6 +103,14 @@ class StoreServer:
         self._verify_threads = verify_threads
         self.listen = listen
         self.limits = limits or Limits()
+        if buffer_budget_bytes is None:
+            buffer_budget_bytes = max(MIN_BUFFER_BUDGET_BYTES, 4 * self.limits.max_request_bytes)
+        if not isinstance(buffer_budget_bytes, int) \
+                or buffer_budget_bytes < self.limits.max_request_bytes:
+            raise ValueError(f"buffer_budget_bytes must be an int of at least the largest "
+                             f"request ({self.limits.max_request_bytes} B), got "
+                             f"{buffer_budget_bytes!r}")
+        self._guard = PeerGuard(buffer_budget_bytes)
         self._store = BlockStore(capacity_bytes)
         self._security = security
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
@@ -116,7 +136,8 @@ class StoreServer:
             sock.router_mandatory = 1  # a reply to a vanished client fails instead of vanishing
             sock.linger = 0
             sock.maxmsgsize = self.limits.max_frame_bytes
-            self._monitor = sock.get_monitor_socket(_AUTH_FAILURES)
+            sock.rcvhwm = RECEIVE_HWM
+            self._monitor = sock.get_monitor_socket(_AUTH_FAILURES | _CONNECTION_EVENTS)
             sock.bind(self.listen)
         except Exception:
             sock.close(linger=0)
@@ -161,6 +182,8 @@ class StoreServer:
             "capacity_bytes": store.capacity_bytes, "pinned_blocks": store.pinned_blocks,
             "evictions": store.evictions, "max_block_bytes": self.limits.max_block_bytes,
             "max_batch_blocks": self.limits.max_batch_blocks, **self._counters,
+            "peers": self._guard.peers, "dropped_peers": self._guard.dropped_peers,
+            "held_bytes": self._guard.held_bytes, "buffer_budget_bytes": self._guard.budget_bytes,
         }
 
     def _serve(self) -> None:
@@ -174,13 +197,17 @@ class StoreServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(wake_read, zmq.POLLIN)
+        next_check = 0.0
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(_BUSY_POLL_MS if self._in_flight else _IDLE_POLL_MS))
+                timeout = _BUSY_POLL_MS if self._in_flight else _IDLE_POLL_MS
+                if self._guard.peers:  # bytes may arrive that make no message (yet)
+                    timeout = min(timeout, int(CHECK_INTERVAL_S * 1000))
+                ready = dict(poller.poll(timeout))
                 if wake_read in ready:
                     _drain(wake_read)
                 if self._monitor in ready:
-                    self._count_refusals()
+                    self._read_monitor()
                 if self._sock in ready:
                     for _ in range(_MESSAGES_PER_WAKE):
                         try:
@@ -189,8 +216,14 @@ class StoreServer:
                             break
                         self._handle(frames)
                         self._finish_puts()
+                        if time.monotonic() >= next_check:  # also amid a stream of requests
+                            break
                 self._finish_puts()
                 self._release_sent()
+                if time.monotonic() >= next_check:
+                    self._read_monitor()  # connections made or gone since
+                    self._guard.check()
+                    next_check = time.monotonic() + self._guard.interval_s
         finally:
             if self._verifier is not None:  # puts still being checked are dropped unanswered
                 self._verifier.shutdown(wait=True, cancel_futures=True)
@@ -208,12 +241,18 @@ class StoreServer:
         if self._context is not None:
             self._context.destroy(linger=0)
 
-    def _count_refusals(self) -> None:
+    def _read_monitor(self) -> None:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
-            self._counters["auth_refused"] += 1
-            log.warning("refused a peer's handshake on %s: %s (%s)", event["endpoint"].decode(),
-                        zmq.Event(event["event"]).name, event["value"])
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                self._guard.accepted(value)
+            elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self._guard.closed(value)
+            else:
+                self._counters["auth_refused"] += 1
+                log.warning("refused a peer's handshake on %s: %s (%s)",
+                            event["endpoint"].decode(), zmq.Event(kind).name, value)
 
     def _release_sent(self) -> None:
         if not self._in_flight:
@@ -228,6 +267,10 @@ class StoreServer:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity, header, blocks = frames[0].bytes, frames[1], frames[2:]
+        fd = header.get(_SRCFD)
+        if not self._guard.delivered(fd, identity):  # from a peer dropped meanwhile
+            self._counters["discarded_requests"] += 1
+            return
         request_id = None
         try:
             request = decode_request(header.buffer, self.limits)
@@ -236,11 +279,15 @@ class StoreServer:
                 raise RequestError(ErrorCode.FRAMES, f"{request.op.value} carries no block "
                                    f"frames, got {len(blocks)}", request_id)
             self._counters[f"requests_{request.op.value}"] += 1
+            if request.op is Op.PUT and any(frame.buffer.nbytes != size for frame, size
+                                            in zip(blocks, request.sizes, strict=False)):
+                self._guard.strike(fd, identity, "a put's block frame is not its declared size")
             self._dispatch(identity, request, blocks)
         except RequestError as exc:
             self._counters["request_errors"] += 1
-            log.warning("refused a request: %s: %s", exc.code.value, exc)
+            log.debug("refused a request: %s: %s", exc.code.value, exc)
             self._reply(identity, encode_error(exc.request_id, exc.code, str(exc)))
+            self._guard.strike(fd, identity, f"{exc.code.value}: {exc}")
         except Exception:  # a bug must cost one request, not the store
             self._counters["internal_errors"] += 1
             log.exception("internal error serving a request")
@@ -361,7 +408,9 @@ class StoreServer:
             self._sock.send(identity, _SNDMORE | _NOBLOCK)
         except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
             self._counters["dropped_replies"] += 1
-            log.warning("dropped a reply: %s", exc)
+            dropped = self._counters["dropped_replies"]
+            if dropped & (dropped - 1) == 0:  # 1, 2, 4, ...: a flood cannot flood the log
+                log.warning("dropped a reply: %s (%d so far)", exc, dropped)
             return
         self._sock.send(header, _SNDMORE if blocks else 0)
         for index, block in enumerate(blocks):

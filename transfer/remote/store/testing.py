@@ -1,4 +1,4 @@
-"""Test helpers: a store server in a child process (start, SIGKILL, restart) and a bare peer.
+"""Test helpers: a store server in a child process (start, SIGKILL, restart) and bare peers.
 
 StoreProcess runs `python -m kvconnector.cli.store store serve ...` (the `kvconnector store serve`
 command without the torch import) on a free loopback port; the child's log goes to a file.
@@ -10,6 +10,8 @@ import os
 import re
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -121,3 +123,83 @@ class RawPeer:
 
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+class ZmtpPeer:
+    """A DEALER spoken by hand over plain TCP (ZMTP 3.0, NULL mechanism: `--security none`).
+
+    It can send what a zmq socket never would: a frame cut short, a message never finished, a
+    frame header with no bytes behind it; and it sees the store hang up on it.
+    """
+
+    def __init__(self, url: str) -> None:
+        host, port = url[len("tcp://"):].rsplit(":", 1)
+        self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10.0)
+        self._sock.sendall(_ZMTP_GREETING)
+        body = (b"\x05READY" + bytes([len(b"Socket-Type")]) + b"Socket-Type"
+                + struct.pack(">I", len(b"DEALER")) + b"DEALER")
+        self._sock.sendall(_frame_head(len(body), more=False, command=True) + body)
+        # the store's greeting and READY: a message frame sent before them is a protocol error
+        self._receive(len(_ZMTP_GREETING))
+        flags = self._receive(1)[0]
+        size = struct.unpack(">Q", self._receive(8))[0] if flags & 2 else self._receive(1)[0]
+        self._receive(size)
+
+    def send_frame(self, data: bytes | memoryview, *, more: bool) -> None:
+        """One frame of a message (`more`: another frame follows)."""
+        self._sock.sendall(_frame_head(len(data), more=more, command=False))
+        self._sock.sendall(data)
+
+    def send_message(self, frames: list[bytes]) -> None:
+        for index, frame in enumerate(frames):
+            self.send_frame(frame, more=index < len(frames) - 1)
+
+    def send_frame_head(self, size: int, *, more: bool) -> None:
+        """A frame's header declaring `size` bytes; its bytes follow through `send_raw`."""
+        self._sock.sendall(_frame_head(size, more=more, command=False))
+
+    def send_raw(self, data: bytes | memoryview) -> None:
+        self._sock.sendall(data)
+
+    def _receive(self, count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            chunk = self._sock.recv(count - len(data))
+            if not chunk:
+                raise ConnectionError("the store closed the connection during the handshake")
+            data += chunk
+        return data
+
+    def hung_up(self, timeout_s: float) -> bool:
+        """Whether the store closed the connection within `timeout_s` (what it sent is read
+        and dropped)."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                self._sock.settimeout(remaining)
+                if not self._sock.recv(1 << 16):
+                    return True
+        except (TimeoutError, BlockingIOError):
+            return False
+        except OSError:  # reset
+            return True
+        return False
+
+    def abort(self) -> None:
+        """Close abruptly: a TCP reset, nothing flushed."""
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._sock.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+_ZMTP_GREETING = (b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
+                  + bytes(32))
+
+
+def _frame_head(size: int, *, more: bool, command: bool) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if size > 255:
+        return struct.pack(">BQ", flags | 2, size)
+    return struct.pack(">BB", flags, size)
