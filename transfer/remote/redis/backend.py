@@ -47,6 +47,7 @@ from transfer.remote.redis.values import (
     RedisURL,
     decode_value,
     encode_value,
+    holds_block,
     redis_key,
     value_header,
 )
@@ -177,7 +178,12 @@ class RedisClusterBackend(RemoteBackend):
                     land(i, reply, gate)
 
         def refetch(i: int, cluster: RedisCluster, gate: Gate) -> None:
-            land(i, cluster.get(redis_key(keys[i])), gate)
+            # through the cluster client, which follows the move; never more than a block
+            # value's bytes, so a huge value is refused without being held
+            limit = len(self._buffer())
+            value = cluster.getrange(redis_key(keys[i]), 0, limit)
+            land(i, ValueTooLarge(len(value), limit) if len(value) > limit else value or None,
+                 gate)
 
         self._run(keys, self._blocks_per_pipeline, fetch, refetch, statuses, errors, timeout_s)
         return _result(statuses, errors, ())
@@ -185,13 +191,14 @@ class RedisClusterBackend(RemoteBackend):
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Leading keys held; a key on a node that fails or answers late ends the prefix.
         StoreError only when no key could be asked at all."""
-        found = self._ask("exists", keys, timeout_s)
+        found = self._ask("held", keys, timeout_s)
         if found and all(isinstance(f, str) for f in found):
             raise StoreError(f"no Redis node answered: {found[0]}")
         return next((i for i, f in enumerate(found) if f is not True), len(found))
 
     def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
-        return _all_answered(self._ask("exists", keys, timeout_s))
+        """Whether each key holds a block of ours (see `holds_block`)."""
+        return _all_answered(self._ask("held", keys, timeout_s))
 
     def delete(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
         return _all_answered(self._ask("delete", keys, timeout_s))
@@ -341,7 +348,8 @@ class RedisClusterBackend(RemoteBackend):
         return [(f, futures[f]) for f in running]
 
     def _ask(self, verb: str, keys: Sequence[bytes], timeout_s: float | None) -> list[Any]:
-        """EXISTS or DEL for each key, pipelined per node: True/False, or why not (a str)."""
+        """`held` (the value's header and length: GETRANGE, STRLEN) or `delete` for each key,
+        pipelined per node: True/False, or why not (a str)."""
         keys = self.check_keys(keys)
         answers: list[Any] = [_LATE] * len(keys)
         deadline = time.monotonic() + self.call_timeout(timeout_s)
@@ -356,9 +364,15 @@ class RedisClusterBackend(RemoteBackend):
         def ask(client: redis.Redis, indices: list[int]) -> None:
             pipe = client.pipeline(transaction=False)
             for i in indices:
-                getattr(pipe, verb)(redis_key(keys[i]))
-            for i, reply in zip(indices, pipe.execute(raise_on_error=False), strict=True):
-                answers[i] = _describe(reply) if isinstance(reply, Exception) else reply == 1
+                if verb == "held":
+                    pipe.getrange(redis_key(keys[i]), 0, HEADER_BYTES - 1)
+                    pipe.strlen(redis_key(keys[i]))
+                else:
+                    pipe.delete(redis_key(keys[i]))
+            replies = iter(pipe.execute(raise_on_error=False))
+            for i, reply in zip(indices, replies, strict=False):
+                length = next(replies) if verb == "held" else None
+                answers[i] = _answer(verb, reply, length, keys[i], self.block_bytes)
 
         futures = {self._pool.submit(ask, client, indices): indices for client, indices in shares}
         done, _ = wait(futures, max(0.0, deadline - time.monotonic()))
@@ -382,6 +396,19 @@ def _put_status(reply: Any) -> tuple[BlockStatus, str]:
         return BlockStatus.FULL, f"the node has no room: {reply}"
     return BlockStatus.FAILED, _describe(reply) if isinstance(reply, Exception) else \
         f"unexpected reply {reply!r:.80}"
+
+
+def _answer(verb: str, reply: Any, length: Any, key: bytes, block_bytes: int) -> bool | str:
+    """A key's answer to `held` (`length`: the value's STRLEN) or `delete`: True/False, or why
+    there is none."""
+    if verb == "held" and isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+        return False  # not a string: not ours
+    if isinstance(reply, Exception):
+        return _describe(reply)
+    if verb != "held":
+        return reply == 1
+    return _describe(length) if isinstance(length, Exception) else \
+        holds_block(reply, length, key, block_bytes)
 
 
 def _describe(error: Any) -> str:

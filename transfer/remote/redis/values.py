@@ -19,6 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,19 @@ def decode_value(value: bytes, key: bytes, block_bytes: int) -> tuple[BlockStatu
     if block_checksum(memoryview(value)[HEADER_BYTES:], key) != checksum:
         return BlockStatus.CORRUPT, "the bytes do not match their checksum"
     return BlockStatus.OK, ""
+
+
+def holds_block(head: Any, length: Any, key: bytes, block_bytes: int) -> bool:
+    """Whether a value of `length` bytes (STRLEN) whose first HEADER_BYTES are `head` (GETRANGE)
+    is a block of ours stored under `key`: lookups count nothing else as held (a value someone
+    else wrote, another namespace's, a huge one, another block size's when `block_bytes` is
+    known)."""
+    if not isinstance(head, bytes) or len(head) != HEADER_BYTES:
+        return False
+    magic, version, header_bytes, namespace, size, _ = _HEADER.unpack_from(head)
+    return (magic == VALUE_MAGIC and version == VALUE_VERSION and header_bytes == HEADER_BYTES
+            and namespace == key[:DIGEST_BYTES] and length == HEADER_BYTES + size
+            and (not block_bytes or size == block_bytes))
 
 
 @dataclass(frozen=True)
