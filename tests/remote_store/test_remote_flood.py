@@ -33,7 +33,7 @@ CAPACITY = 256 * MiB
 BUFFER_BOUND = 512 * MiB
 DEADLINE_S = 30.0  # each call of the well-behaved clients
 MIN_ROUNDS = 3  # the bystander's rounds completed while the flood runs
-MAX_FLOOD_S = 120.0
+MAX_FLOOD_S = 60.0
 BLOCK = 64 << 10
 COUNT = 16
 NONE = Security.none()
@@ -102,19 +102,23 @@ def store(tmp_path: Path) -> Iterator[StoreProcess]:
 
 
 def _flood(kind: str, store: StoreProcess, bystander: Bystander) -> dict[str, int]:
-    """Run the flood until it has reached its target and the bystander has done MIN_ROUNDS
-    rounds under it; its summary."""
+    """Run the flood until it has reached its target, the bystander has done MIN_ROUNDS rounds
+    under it and the store has dropped a peer (or MAX_FLOOD_S has passed); its summary."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
                                          os.environ.get("PYTHONPATH")]))
-    flood = subprocess.Popen([sys.executable, str(FLOOD), kind, store.url, str(MAX_FLOOD_S)],
+    flood = subprocess.Popen([sys.executable, str(FLOOD), kind, store.url, str(3 * MAX_FLOOD_S)],
                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
     try:
         first = bystander.rounds
         reached, _, _ = select.select([flood.stdout], [], [], MAX_FLOOD_S)
         assert reached and flood.stdout.readline() == b"reached\n", "the flood fell short"
-        while flood.poll() is None and not bystander.failures \
-                and bystander.rounds < first + MIN_ROUNDS:
-            time.sleep(0.05)
+        deadline = time.monotonic() + MAX_FLOOD_S
+        with StoreClient(store.url, NONE, timeout_s=DEADLINE_S) as observer:
+            while flood.poll() is None and not bystander.failures and (
+                    bystander.rounds < first + MIN_ROUNDS
+                    or observer.stats().get("dropped_peers", 0) == 0) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
         assert flood.poll() is None, "the flood ended on its own (MAX_FLOOD_S)"
         flood.terminate()
         out, _ = flood.communicate(timeout=60)

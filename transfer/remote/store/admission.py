@@ -48,9 +48,9 @@ class _Peer:
     fd: int
     address: tuple[str, int] | None = None  # the remote end, to notice a reused descriptor
     identity: bytes | None = None  # the ROUTER's routing id, once a message came
-    received: int = 0  # the kernel's byte count at the last check that saw progress
+    received: int = 0  # the kernel's byte count when it was last seen making progress
     delivered: int = 0  # complete messages read from it
-    seen: int = -1  # `delivered` at the last check
+    seen: int = 0  # `delivered` at the last check
     held: int = 0  # bytes sent since its last complete message: what zmq holds for it
     strikes: int = 0
 

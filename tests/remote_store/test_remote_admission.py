@@ -1,0 +1,134 @@
+"""PeerGuard over real loopback TCP connections: what it counts as held, whom it drops, and that a
+descriptor reused by another connection is never shut down (the store itself under floods:
+test_remote_flood.py)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from transfer.remote.store.admission import MAX_STRIKES, PeerGuard
+from transfer.remote.store.security import Security
+from transfer.remote.store.server import StoreServer
+
+KiB = 1 << 10
+
+
+class Link:
+    """A loopback TCP connection: `client` sends, `server` is the accepted end (its fd is what
+    zmq's monitor would name) and reads what was sent, as zmq would (and then hold it)."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.client = socket.create_connection(listener.getsockname())
+        self.server, _ = listener.accept()
+        self.fd = self.server.fileno()
+
+    def send(self, count: int) -> None:
+        self.client.sendall(bytes(count))
+        self.server.settimeout(5.0)
+        while count:
+            count -= len(self.server.recv(count))
+
+    def hung_up(self) -> bool:
+        self.client.settimeout(5.0)
+        try:
+            return self.client.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    sock = socket.create_server(("127.0.0.1", 0))
+    yield sock
+    sock.close()
+
+
+def _held_after(guard: PeerGuard, link: Link, count: int) -> int:
+    link.send(count)
+    guard.check()
+    return guard.held_bytes
+
+
+def test_bytes_count_as_held_until_a_complete_request_comes(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=1 << 20)
+    link = Link(listener)
+    guard.accepted(link.fd)
+    assert _held_after(guard, link, 100 * KiB) == 100 * KiB  # the kernel's exact count
+    assert _held_after(guard, link, 28 * KiB) == 128 * KiB
+    assert guard.delivered(link.fd, b"peer-1")
+    guard.check()
+    assert guard.held_bytes == 0  # a complete request came: zmq holds less now
+    assert _held_after(guard, link, 50 * KiB) == 50 * KiB
+    assert (guard.peers, guard.dropped_peers) == (1, 0)
+    guard.closed(link.fd)
+    assert guard.peers == 0
+    link.close()
+
+
+def test_over_the_budget_the_largest_holders_are_dropped(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=800 * KiB)
+    links = [Link(listener) for _ in range(3)]
+    for link, count in zip(links, (600 * KiB, 300 * KiB, 100 * KiB), strict=True):
+        guard.accepted(link.fd)
+        link.send(count)
+    assert guard.check() == 1
+    assert (guard.peers, guard.dropped_peers, guard.held_bytes) == (2, 1, 400 * KiB)
+    assert links[0].hung_up()
+    links[1].send(300 * KiB)  # the others stay connected, counted
+    assert guard.check() == 0 and guard.held_bytes == 700 * KiB
+    links[2].send(200 * KiB)
+    assert guard.check() == 1 and guard.dropped_peers == 2  # 600 KiB: the largest now
+    assert links[1].hung_up()
+    for link in links:
+        link.close()
+
+
+def test_a_peer_that_keeps_sending_invalid_requests_is_dropped(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=1 << 20)
+    link, other = Link(listener), Link(listener)
+    guard.accepted(link.fd)
+    guard.accepted(other.fd)
+    assert guard.delivered(other.fd, b"other")
+    assert not guard.strike(other.fd, b"other", "malformed")
+    for strike in range(1, MAX_STRIKES + 1):
+        assert guard.delivered(link.fd, b"flooder")
+        assert guard.strike(link.fd, b"flooder", "malformed") == (strike == MAX_STRIKES)
+    assert link.hung_up()
+    assert not guard.delivered(link.fd, b"flooder")  # what it had queued is discarded
+    assert guard.delivered(other.fd, b"other")
+    assert (guard.peers, guard.dropped_peers) == (1, 1)
+    link.close()
+    other.close()
+
+
+def test_a_descriptor_reused_by_another_connection_is_never_shut_down(
+        listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=1 * KiB)
+    first = Link(listener)
+    guard.accepted(first.fd)
+    second = Link.__new__(Link)
+    second.client = socket.create_connection(listener.getsockname())
+    first.server.close()  # zmq closed it; the monitor's event is not read yet
+    second.server, _ = listener.accept()  # the lowest free number: the one just closed
+    second.fd = second.server.fileno()
+    assert second.fd == first.fd
+    second.send(64 * KiB)  # over the budget, but not the connection the guard knew
+    assert guard.check() == 0
+    assert (guard.peers, guard.dropped_peers) == (0, 0)
+    second.send(1)  # still connected
+    first.client.close()
+    second.close()
+
+
+def test_a_budget_below_the_largest_request_is_refused() -> None:
+    with pytest.raises(ValueError, match="buffer_budget_bytes must be an int of at least"):
+        StoreServer("tcp://127.0.0.1:*", 1 << 20, Security.none(), buffer_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="budget_bytes must be a positive int, got 0"):
+        PeerGuard(budget_bytes=0)
