@@ -8,7 +8,10 @@ only its own blocks: its blocks get FAILED (load errors; misses for a lookup), t
 complete. No call outlives its timeout: node
 work still running at the deadline is abandoned, and a gate stops it from writing into a slot
 afterwards. Redirections (a slot moved, a failover) are retried once through the cluster
-client, which follows MOVED/ASK, and the slot map is refreshed on the next call.
+client, which follows MOVED/ASK, and the slot map is refreshed on the next call. A value under
+one of our keys that is not one of our blocks (someone else's, another namespace's, a huge one)
+never counts as held for a lookup, and a get refuses it per block without ever holding more than
+a block value's bytes of it.
 
 Eviction and expiry are Redis's own: run the masters with `maxmemory` and
 `maxmemory-policy allkeys-lru`; an evicted block is a miss. With no replicas, set
