@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+import zmq
 
 from transfer.remote.store.admission import MAX_STRIKES, PeerGuard
 from transfer.remote.store.security import Security
@@ -59,7 +60,7 @@ def _held_after(guard: PeerGuard, link: Link, count: int) -> int:
 def test_bytes_count_as_held_until_a_complete_request_comes(listener: socket.socket) -> None:
     guard = PeerGuard(budget_bytes=1 << 20)
     link = Link(listener)
-    guard.accepted(link.fd)
+    guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
     assert _held_after(guard, link, 100 * KiB) == 100 * KiB  # the kernel's exact count
     assert _held_after(guard, link, 28 * KiB) == 128 * KiB
     assert guard.delivered(link.fd, b"peer-1")
@@ -67,7 +68,7 @@ def test_bytes_count_as_held_until_a_complete_request_comes(listener: socket.soc
     assert guard.held_bytes == 0  # a complete request came: zmq holds less now
     assert _held_after(guard, link, 50 * KiB) == 50 * KiB
     assert (guard.peers, guard.dropped_peers) == (1, 0)
-    guard.closed(link.fd)
+    guard.connection_event(zmq.EVENT_DISCONNECTED, link.fd)
     assert guard.peers == 0
     link.close()
 
@@ -76,7 +77,7 @@ def test_over_the_budget_the_largest_holders_are_dropped(listener: socket.socket
     guard = PeerGuard(budget_bytes=800 * KiB)
     links = [Link(listener) for _ in range(3)]
     for link, count in zip(links, (600 * KiB, 300 * KiB, 100 * KiB), strict=True):
-        guard.accepted(link.fd)
+        guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
         link.send(count)
     assert guard.check() == 1
     assert (guard.peers, guard.dropped_peers, guard.held_bytes) == (2, 1, 400 * KiB)
@@ -93,8 +94,8 @@ def test_over_the_budget_the_largest_holders_are_dropped(listener: socket.socket
 def test_a_peer_that_keeps_sending_invalid_requests_is_dropped(listener: socket.socket) -> None:
     guard = PeerGuard(budget_bytes=1 << 20)
     link, other = Link(listener), Link(listener)
-    guard.accepted(link.fd)
-    guard.accepted(other.fd)
+    guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    guard.connection_event(zmq.EVENT_ACCEPTED, other.fd)
     assert guard.delivered(other.fd, b"other")
     assert not guard.strike(other.fd, b"other", "malformed")
     for strike in range(1, MAX_STRIKES + 1):
@@ -112,7 +113,7 @@ def test_a_descriptor_reused_by_another_connection_is_never_shut_down(
         listener: socket.socket) -> None:
     guard = PeerGuard(budget_bytes=1 * KiB)
     first = Link(listener)
-    guard.accepted(first.fd)
+    guard.connection_event(zmq.EVENT_ACCEPTED, first.fd)
     second = Link.__new__(Link)
     second.client = socket.create_connection(listener.getsockname())
     first.server.close()  # zmq closed it; the monitor's event is not read yet

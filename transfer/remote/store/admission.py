@@ -23,6 +23,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import zmq
+
+from transfer.remote.store.protocol import Limits
+
 log = logging.getLogger(__name__)
 
 # ROUTER socket options (docs/protocol.md, "Limits"): complete requests zmq queues per
@@ -39,6 +43,22 @@ _TCPI_BYTES_RECEIVED = struct.Struct("<Q")
 _TCPI_BYTES_RECEIVED_OFFSET = 128  # struct tcp_info, Linux >= 4.1
 _TCP_INFO_BYTES = 256
 _RECENTLY_DROPPED = 4096  # routing ids remembered, so their queued messages are discarded
+# the budget is at least this and room for four of the largest requests (docs/protocol.md)
+MIN_BUDGET_BYTES = 256 << 20
+# the monitor events the guard needs (each names the connection's file descriptor)
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+
+
+def buffer_budget(limits: Limits, budget_bytes: int | None = None) -> int:
+    """The budget for what zmq holds: `budget_bytes`, by default the larger of
+    MIN_BUDGET_BYTES and four of the largest requests; ValueError below one of them."""
+    if budget_bytes is None:
+        return max(MIN_BUDGET_BYTES, 4 * limits.max_request_bytes)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
+            or budget_bytes < limits.max_request_bytes:
+        raise ValueError(f"buffer_budget_bytes must be an int of at least the largest request "
+                         f"({limits.max_request_bytes} B), got {budget_bytes!r}")
+    return budget_bytes
 
 
 @dataclass(eq=False)
@@ -77,13 +97,16 @@ class PeerGuard:
         """What zmq held for all connections at the last check."""
         return sum(peer.held for peer in self._peers.values())
 
-    def accepted(self, fd: int) -> None:
-        """zmq accepted a connection on `fd` (a reused descriptor starts afresh)."""
-        self._peers[fd] = _Peer(fd, _remote(fd))
-
-    def closed(self, fd: int) -> None:
-        """zmq closed the connection on `fd`."""
-        self._peers.pop(fd, None)
+    def connection_event(self, event: int, fd: int) -> bool:
+        """A monitor event: a connection accepted on `fd` (a reused descriptor starts afresh)
+        or closed; False for any other event."""
+        if event == zmq.EVENT_ACCEPTED:
+            self._peers[fd] = _Peer(fd, _remote(fd))
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            self._peers.pop(fd, None)
+        else:
+            return False
+        return True
 
     def delivered(self, fd: int, identity: bytes) -> bool:
         """A complete message came from connection `fd` with routing id `identity`; False when

@@ -31,7 +31,13 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.remote.backend import BlockStatus, block_checksum
-from transfer.remote.store.admission import CHECK_INTERVAL_S, RECEIVE_HWM, PeerGuard
+from transfer.remote.store.admission import (
+    CHECK_INTERVAL_S,
+    CONNECTION_EVENTS,
+    RECEIVE_HWM,
+    PeerGuard,
+    buffer_budget,
+)
 from transfer.remote.store.memory import BlockStore, StoredBlock
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
@@ -59,11 +65,7 @@ COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "
             "discarded_requests")
 # one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
 _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _SRCFD = int(zmq.SRCFD)
-# What zmq may hold for all connections together, at least this and room for four of the
-# largest requests (docs/protocol.md, "Limits")
-MIN_BUFFER_BUDGET_BYTES = 256 << 20
 # Puts carrying at least this many bytes are checked on the worker threads, one task per thread;
 # smaller ones inline, where hashing them costs less than a thread hop.
 VERIFY_INLINE_BYTES = 1 << 20
@@ -103,14 +105,7 @@ class StoreServer:
         self._verify_threads = verify_threads
         self.listen = listen
         self.limits = limits or Limits()
-        if buffer_budget_bytes is None:
-            buffer_budget_bytes = max(MIN_BUFFER_BUDGET_BYTES, 4 * self.limits.max_request_bytes)
-        if not isinstance(buffer_budget_bytes, int) \
-                or buffer_budget_bytes < self.limits.max_request_bytes:
-            raise ValueError(f"buffer_budget_bytes must be an int of at least the largest "
-                             f"request ({self.limits.max_request_bytes} B), got "
-                             f"{buffer_budget_bytes!r}")
-        self._guard = PeerGuard(buffer_budget_bytes)
+        self._guard = PeerGuard(buffer_budget(self.limits, buffer_budget_bytes))
         self._store = BlockStore(capacity_bytes)
         self._security = security
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
@@ -137,7 +132,7 @@ class StoreServer:
             sock.linger = 0
             sock.maxmsgsize = self.limits.max_frame_bytes
             sock.rcvhwm = RECEIVE_HWM
-            self._monitor = sock.get_monitor_socket(_AUTH_FAILURES | _CONNECTION_EVENTS)
+            self._monitor = sock.get_monitor_socket(_AUTH_FAILURES | CONNECTION_EVENTS)
             sock.bind(self.listen)
         except Exception:
             sock.close(linger=0)
@@ -245,11 +240,7 @@ class StoreServer:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)
             kind, value = event["event"], int(event["value"])
-            if kind == zmq.EVENT_ACCEPTED:
-                self._guard.accepted(value)
-            elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                self._guard.closed(value)
-            else:
+            if not self._guard.connection_event(kind, value):
                 self._counters["auth_refused"] += 1
                 log.warning("refused a peer's handshake on %s: %s (%s)",
                             event["endpoint"].decode(), zmq.Event(kind).name, value)
