@@ -11,9 +11,12 @@ ours against the run next to it.
 
 redis-benchmark's figures are checked, not trusted: without -r every connection reuses one key
 per master (`key:{tag}:__rand_int__`, literally), which its SET run writes and its GET run then
-reads, so after a SET every such key must hold a value of the full size, and a GET run must make
-the masters send at least requests x value bytes (INFO total_net_output_bytes); a GET of a missing
-key would answer nil and look fast. Its keys and ours are deleted at the end.
+reads, so after a timed SET run every master must hold a value of the full size under its key (a
+GET run is refused before it starts otherwise), and a GET run must make the masters send at least
+requests x value bytes (INFO total_net_output_bytes); a GET of a missing key would answer nil and
+look fast. A run too short to time is not held to the first rule: -n is one count shared by the
+threads of all masters, and the thread of a master that starts late can find it spent (a busy
+2-core machine: 8 values reached two masters of three). Its keys and ours are deleted at the end.
 Its rate is read at its last progress tick (`progress_rate`): its own final figure understates
 it by up to 250 ms of idle threads per run.
 
@@ -123,15 +126,23 @@ class RedisBenchmark:
         RuntimeError where a run failed or did not move full values."""
         kind = (op, value_bytes, clients, pipeline)
         requests = max(requests, self._requests.get(kind, 0))
+        if op == "get":
+            self._check_values(value_bytes, require=True)
+        missing: dict[str, list[int]] = {}
         for _ in range(_MAX_ATTEMPTS):
             stdout = self._run_checked(op, value_bytes, requests, clients, pipeline)
             rate, ticks = progress_rate(stdout, op)
             if ticks >= MIN_TICKS:
-                self._requests[kind] = requests
-                return BaselineRun(rate, requests)
+                # a timed SET run must have reached every master (see the module docstring)
+                missing = self._check_values(value_bytes, require=False) if op == "set" else {}
+                if not missing:
+                    self._requests[kind] = requests
+                    return BaselineRun(rate, requests)
             # twice MIN_TICKS at the rate seen so far (short runs understate it: setup, the
             # final figure's idle wait), and at least double
             requests = max(2 * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 2))
+        if missing:
+            raise RuntimeError(self._no_value_message(value_bytes, missing))
         raise RuntimeError(f"{TOOL} {op}: runs stayed under {MIN_TICKS} progress ticks "
                            f"({requests} requests)")
 
@@ -150,8 +161,6 @@ class RedisBenchmark:
         if moved < requests * value_bytes:
             raise RuntimeError(f"{TOOL} {op}: the masters moved {moved} B, less than "
                                f"{requests} x {value_bytes} B: not full values (missing keys?)")
-        if op == "set":
-            self._check_values(value_bytes)
         return proc.stdout
 
     def cleanup(self) -> None:
@@ -170,15 +179,26 @@ class RedisBenchmark:
         return {node.name: list(self._admin.get_redis_connection(node).scan_iter(
                     match=_KEY_PATTERN, count=1000)) for node in self._admin.get_primaries()}
 
-    def _check_values(self, value_bytes: int) -> None:
+    def _check_values(self, value_bytes: int, require: bool) -> dict[str, list[int]]:
+        """{master: sizes of its redis-benchmark keys} for every master holding no value of
+        `value_bytes` under one; with `require`, a RuntimeError naming them instead."""
         if not self._keys or not all(self._keys.values()):
             self._keys = self._find_keys()
+        missing = {}
         for name, keys in self._keys.items():
             client = self._admin.get_redis_connection(self._admin.get_node(node_name=name))
             sizes = [client.strlen(key) for key in keys]
-            if not sizes or value_bytes not in sizes:
-                raise RuntimeError(f"{TOOL} set: master {name} holds no {value_bytes} B value "
-                                   f"under {_KEY_PATTERN} (sizes {sizes})")
+            if value_bytes not in sizes:
+                missing[name] = sizes
+        if missing and require:
+            raise RuntimeError(self._no_value_message(value_bytes, missing)
+                               + f": a {TOOL} get needs a timed set of that size first")
+        return missing
+
+    @staticmethod
+    def _no_value_message(value_bytes: int, missing: dict[str, list[int]]) -> str:
+        where = ", ".join(f"{name} (sizes {sizes})" for name, sizes in missing.items())
+        return f"{TOOL} set: no {value_bytes} B value under {_KEY_PATTERN} on master {where}"
 
 
 def baseline_requests(value_bytes: int, at_least: int) -> int:
