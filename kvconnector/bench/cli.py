@@ -1,17 +1,24 @@
-"""`kvconnector bench`: flags, sizing, the run with its progress bar, and the record it leaves."""
+"""`kvconnector bench`: flags, sizing, the run with its progress, and the record it leaves.
+
+The default is what a newcomer needs first, in about two minutes on a GPU: one preset, both
+layouts, the ceilings, the remote tier in one security mode. `--preset all` measures the rest.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from kvconnector.bench.presets import KV_DTYPES, PRESETS, build_cases
+from kvconnector.bench.remote import SECURITY_MODES
 from kvconnector.bench.report import cpu_model
 from kvconnector.bench.sizing import (
     BenchError,
@@ -22,6 +29,8 @@ from kvconnector.bench.sizing import (
 )
 from kvconnector.cli.units import parse_size
 
+DEFAULT_PRESET = "llama-3.1-8b"
+DEFAULT_SECURITY = "secret"  # the mode a store off loopback runs with; none costs the same
 DEFAULT_BLOCKS = 1024
 DEFAULT_BUDGET = {"cuda": "24G", "cpu": "512M"}  # both sides; CPU: the process stays < 1 GiB
 DEFAULT_PREFIX_TOKENS = 16384
@@ -37,8 +46,9 @@ def add_parser(subparsers: Any) -> None:
                     "against same-run ceilings; then the remote tier on loopback (and a Redis "
                     "Cluster, given --redis-url).")
     p.error = _one_line_error  # type: ignore[method-assign]
-    p.add_argument("--preset", default="all",
-                   help=f"comma list of {', '.join(PRESETS)}, or 'all' (default)")
+    p.add_argument("--preset", default=None,
+                   help=f"comma list of {', '.join(PRESETS)}, or 'all' (with every remote "
+                        f"security mode); default {DEFAULT_PRESET}")
     p.add_argument("--kv-dtype", default="bf16",
                    help=f"comma list of KV cache dtypes: {', '.join(KV_DTYPES)} (default bf16)")
     p.add_argument("--block-size", type=_int_list, default=None, metavar="TOKENS[,TOKENS]",
@@ -58,6 +68,10 @@ def add_parser(subparsers: Any) -> None:
                    help=f"prefix length for the load-time figure (default {DEFAULT_PREFIX_TOKENS},"
                         " less if the budget is short)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median)")
+    p.add_argument("--remote-security", default=None, metavar="MODES",
+                   help=f"comma list of {', '.join(SECURITY_MODES)}, or 'all': the remote "
+                        f"tier's security modes (default {DEFAULT_SECURITY}; all with "
+                        "--preset all)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the full record as JSON")
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG: GB/s vs block size")
     redis = p.add_argument_group("Redis tier (measured only with --redis-url)")
@@ -110,7 +124,7 @@ def _cases(args: argparse.Namespace) -> list[Any]:
     if any(v is not None for v in explicit) or args.mla:
         if any(v is None for v in explicit):
             raise BenchError("an explicit shape needs --layers, --kv-heads and --head-size")
-        if args.preset != "all":
+        if args.preset is not None:
             raise BenchError("give --preset or an explicit shape, not both")
     for flag, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads),
                         ("--head-size", args.head_size), ("--blocks", args.blocks),
@@ -118,12 +132,40 @@ def _cases(args: argparse.Namespace) -> list[Any]:
                         *(("--block-size", n) for n in args.block_size or [])):
         if value is not None and value <= 0:
             raise BenchError(f"{flag} must be a positive integer, got {value}")
-    presets = list(PRESETS) if args.preset == "all" else _split(args.preset)
+    presets = list(PRESETS) if args.preset == "all" else _split(args.preset or DEFAULT_PRESET)
     shape = explicit if explicit[0] is not None else None
     try:
         return build_cases(presets, _split(args.kv_dtype), args.block_size, shape, args.mla)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
+
+
+def _securities(args: argparse.Namespace) -> list[str]:
+    text = args.remote_security or ("all" if args.preset == "all" else DEFAULT_SECURITY)
+    modes = list(SECURITY_MODES) if text == "all" else _split(text)
+    for mode in modes:
+        if mode not in SECURITY_MODES:
+            raise BenchError(f"unknown --remote-security {mode!r}; choose from "
+                             f"{', '.join(SECURITY_MODES)} or 'all'")
+    return modes
+
+
+def _check_extras(args: argparse.Namespace, cuda: bool) -> None:
+    """Optional packages this run will need, imported before anything is measured: BenchError
+    (one line, exit 2) naming the extra that brings the first one missing."""
+    needs = [("rich", "bench", "kvconnector bench")]
+    if args.plot is not None:
+        needs.append(("matplotlib", "bench", "--plot"))
+    if args.redis_url is not None:
+        needs.append(("redis", "bench", "--redis-url"))
+    if cuda:
+        needs += [("cuda.bindings", "gpu", "the GPU path"), ("cupy", "gpu", "the GPU path")]
+    for module, extra, what in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise BenchError(f"{what} needs {module}, which is not installed: "
+                             f"pip install 'kvconnector[{extra}]'") from None
 
 
 def _redis_auth(args: argparse.Namespace) -> Any:
@@ -162,15 +204,15 @@ def _device_name(device: torch.device) -> str:
     return f"{cpu_model()} (CPU only)"
 
 
-def _command(args: argparse.Namespace, budget: str) -> str:
+def _command(args: argparse.Namespace, budget: str, securities: list[str]) -> str:
     """The effective command line, every choice spelled out, for docs/benchmarks.md."""
     parts = ["kvconnector", "bench"]
     if args.layers is not None:
         parts += ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
                   "--head-size", str(args.head_size)] + (["--mla"] if args.mla else [])
     else:
-        parts += ["--preset", args.preset]
-    parts += ["--kv-dtype", args.kv_dtype]
+        parts += ["--preset", args.preset or DEFAULT_PRESET]
+    parts += ["--kv-dtype", args.kv_dtype, "--remote-security", ",".join(securities)]
     if args.block_size:
         parts += ["--block-size", ",".join(map(str, args.block_size))]
     for flag, value in (("--blocks", args.blocks), ("--budget", budget),
@@ -220,28 +262,28 @@ def _run_disk(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    # The measuring modules pull in the transfer engine; `kvconnector --help` should not.
-    from kvconnector.bench import ceilings as ceilings_mod
-    from kvconnector.bench.redis_tier import measure_redis, redis_steps
-    from kvconnector.bench.remote import measure_remote, remote_steps
-    from kvconnector.bench.runner import (
-        LAYOUTS,
-        STEPS_PER_LAYOUT,
-        allocate_arenas,
-        case_capacity,
-        run_case,
-    )
-
+    started = time.perf_counter()
     cases = _cases(args)
+    securities = _securities(args)
+    cuda = torch.cuda.is_available()
+    _check_extras(args, cuda)
     redis_auth = _redis_auth(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if cuda else "cpu")
     budget = _budget(args, device)
     for path in (args.json, args.plot):
         if path is not None and not path.parent.is_dir():
             raise BenchError(f"no directory {str(path.parent)!r} for {path}")
+
+    from rich.console import Console
+
+    # The measuring modules pull in the transfer engine; `kvconnector --help` should not.
+    from kvconnector.bench.ceilings import CeilingMeter
+    from kvconnector.bench.progress import BenchProgress
+    from kvconnector.bench.redis_tier import measure_redis, redis_steps
+    from kvconnector.bench.remote import measure_remote, remote_steps
+    from kvconnector.bench.report import LAYOUT_LABELS
+    from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
+
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
         out = Console(width=200)
@@ -269,26 +311,33 @@ def _run(args: argparse.Namespace) -> int:
                                  f"{max_tokens} tokens the budget holds; raise --budget")
             plan.append((case, blocks, tokens))
 
-        total = 1 + len(cases) * len(LAYOUTS) * STEPS_PER_LAYOUT + remote_steps(len(cases))
+        # one unit per case layout (a ceiling round first), the last ceiling round, the remote
+        # rows
+        units = len(plan) * len(LAYOUTS) + 1 + remote_steps(len(plan), securities)
         if redis_auth is not None:
-            total += redis_steps(len(cases))
-        with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=err, transient=True) as progress:
-            task = progress.add_task("ceilings", total=total)
-
-            def step(desc: str) -> None:
-                progress.update(task, description=desc, advance=1)
-
-            progress.update(task, description="ceilings")
-            ceilings = ceilings_mod.measure(arenas.device, arenas.host, args.repeats)
-            results = []
-            for case, blocks, tokens in plan:
-                results.append(run_case(case, arenas, ceilings, blocks, tokens,
-                                        args.repeats, SEED, step).as_dict())
-            remote = measure_remote(plan, arenas.host, budget, args.repeats, step)
+            units += redis_steps(len(plan))
+        with BenchProgress(err, units) as progress:
+            meter = CeilingMeter(arenas.device, arenas.host, args.repeats)
+            try:
+                runs = []
+                for case, blocks, tokens in plan:
+                    run = CaseRun(case, arenas, blocks, tokens, args.repeats, SEED)
+                    for name in LAYOUTS:
+                        progress.next(f"{case.name} {LAYOUT_LABELS[name]}")
+                        meter.measure()
+                        run.measure(name)
+                    runs.append(run)
+                progress.next("ceilings: last round")
+                meter.measure()
+                ceilings = meter.best("one before each case's layout and one after the last")
+            finally:
+                meter.close()
+            results = [run.as_dict(ceilings) for run in runs]
+            remote = measure_remote(plan, arenas.host, budget, args.repeats, progress.next,
+                                    securities)
             redis = None if redis_auth is None else measure_redis(
-                plan, arenas.host, budget, args.repeats, step, args.redis_url, redis_auth)
-            progress.update(task, completed=total)
+                plan, arenas.host, budget, args.repeats, progress.next, args.redis_url,
+                redis_auth)
         mover_name = results[0]["mover"] if results else ""
         baseline_name = results[0]["baseline"] if results else ""
         record = {
@@ -299,13 +348,15 @@ def _run(args: argparse.Namespace) -> int:
                 "device_type": device.type,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
-                "command": _command(args, args.budget or DEFAULT_BUDGET[device.type]),
+                "command": _command(args, args.budget or DEFAULT_BUDGET[device.type],
+                                    securities),
                 "mover": mover_name,
                 "baseline": baseline_name,
                 "budget_bytes": budget,
                 "arenas_ready_s": arenas.ready_s,
                 "repeats": args.repeats,
                 "ids": "random, non-adjacent within a job; bidirectional sets disjoint",
+                "wall_s": time.perf_counter() - started,
             },
             "ceilings": ceilings.as_dict(),
             "cases": results,

@@ -19,44 +19,48 @@ from typing import Any
 
 import torch
 
-REMOTE_STEPS_PER_CASE = 1
 REMOTE_MAX_BYTES = 256 << 20  # per put/get: enough to reach steady state on loopback
+SECURITY_MODES = ("none", "secret", "curve")
 _LISTEN = "tcp://127.0.0.1:*"
 _TIMEOUT_S = 60.0
 
 
-def remote_steps(num_cases: int) -> int:
-    return num_cases * REMOTE_STEPS_PER_CASE
+def remote_steps(num_cases: int, modes: list[str]) -> int:
+    return num_cases * len(modes)
 
 
 def measure_remote(plan: list[Any], host_arena: torch.Tensor, budget: int, repeats: int,
-                   step: Callable[[str], None]) -> dict[str, Any]:
-    """Rows per case and security mode; {"skipped": why} where the remote tier cannot run."""
+                   step: Callable[[str], None], modes: list[str]) -> dict[str, Any]:
+    """Rows per case and security mode (of SECURITY_MODES); {"skipped": why} where the remote
+    tier cannot run."""
     try:
         import zmq
 
         from transfer.remote.store.client import StoreClient  # noqa: F401  (is the tier built?)
         from transfer.remote.store.server import StoreServer  # noqa: F401
     except ImportError as exc:
-        for _ in range(remote_steps(len(plan))):
+        for _ in range(remote_steps(len(plan), modes)):
             step("remote tier: skipped")
         return {"skipped": f"remote tier unavailable: {exc}"}
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp:
-        modes = _securities(Path(tmp), zmq)
+        securities = _securities(Path(tmp), zmq)
         for case, blocks, _ in plan:
-            step(f"{case.name}: remote tier")
             block_bytes = case.layout.block_bytes
             n = max(1, min(blocks, min(REMOTE_MAX_BYTES, budget // 8) // block_bytes))
             pool = host_arena[: 2 * n * block_bytes].view(2 * n, block_bytes)
-            for mode, (server_sec, client_sec) in modes.items():
+            for mode in modes:
+                step(f"{case.name}: remote tier, security {mode}")
                 try:
+                    if mode not in securities:
+                        raise RuntimeError(f"this libzmq has no {mode.upper()} support")
+                    server_sec, client_sec = securities[mode]
                     rows.append(_measure_mode(case, pool, n, mode, server_sec, client_sec,
                                               repeats))
                 except Exception as exc:  # a broken mode is a finding; the other modes still run
                     rows.append({"case": case.name, "security": mode, "block_bytes": block_bytes,
                                  "blocks": n, "error": f"{type(exc).__name__}: {exc}"})
-    return {"rows": rows, "modes": list(modes), "max_bytes_per_op": REMOTE_MAX_BYTES}
+    return {"rows": rows, "modes": modes, "max_bytes_per_op": REMOTE_MAX_BYTES}
 
 
 def _securities(tmp: Path, zmq: Any) -> dict[str, tuple[Any, Any]]:

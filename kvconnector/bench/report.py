@@ -41,7 +41,8 @@ def print_report(record: dict[str, Any], console: Any) -> None:
     console.print(
         f"ceilings ({format_bytes(c['copy_bytes'])} copies): load {c['h2d_gbps']:.2f} GB/s, "
         f"store {c['d2h_gbps']:.2f} GB/s, both at once {c['bidir_gbps']:.2f} GB/s; "
-        f"one plain copy call {c['plain_call_us']:.2f} us ({c['plain_call']})")
+        f"one plain copy call {c['plain_call_us']:.2f} us ({c['plain_call']}); "
+        f"{c['method']}")
     side = "GPU" if record["meta"]["device_type"] == "cuda" else "host"
     table = Table(title=f"kvconnector bench: {record['meta']['mover']}, random non-adjacent ids",
                   caption=f"load: pool -> {side} cache; store: {side} cache -> pool; both: "

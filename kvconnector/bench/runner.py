@@ -1,7 +1,9 @@
 """Measure one case: both layouts, one way each direction, bidirectional, host cost, prefix load.
 
 Buffers are carved out of two arenas allocated once per run (the device cache side and the host
-pool side), so pinning cost is paid once and every case sees the same memory.
+pool side), so pinning cost is paid once and every case sees the same memory. A case is measured
+a layout at a time (the run takes a ceiling round before each); ratios are taken against the
+run's ceilings once all rounds are in.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,7 +34,6 @@ from transfer.pool import HostPool
 _ARENA_ROW = 1 << 20  # arenas are allocated as rows of 1 MiB
 CHECKED_BLOCKS = 4  # blocks whose bytes are compared after the warm-up round trip
 LAYOUTS = ("block_major", "layer_major")
-STEPS_PER_LAYOUT = 4  # check + one way, bidirectional, prefix: for the progress bar
 
 @dataclass
 class Arenas:
@@ -100,7 +102,6 @@ def case_segments(case: Case, arenas: Arenas, capacity: int, layer_major: bool) 
 @dataclass
 class Rate:
     gbps: float
-    ratio: float  # of the same-run ceiling
     seconds: list[float]  # every timed repeat; gbps uses the median
 
 
@@ -112,68 +113,69 @@ class LayoutResult:
     d2h: Rate
     bidir: Rate
     host_us_per_block: float  # host time inside submit calls, per block submitted
-    host_ratio: float  # of one plain copy call
     prefix_tokens: int
     prefix_blocks: int
     prefix_ms: float
-    prefix_ratio: float  # ideal time at the load ceiling / measured time
 
 
-@dataclass
-class CaseResult:
-    case: dict[str, object]
-    capacity: int
-    blocks: int
-    mover: str
-    baseline: str  # the layer-major mover: vLLM's copy path on CUDA
-    layouts: dict[str, LayoutResult]
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+def _rate(nbytes: int, seconds: list[float]) -> Rate:
+    return Rate(nbytes / statistics.median(seconds) / 1e9, seconds)
 
 
-def _rate(nbytes: int, seconds: list[float], ceiling_gbps: float) -> Rate:
-    gbps = nbytes / statistics.median(seconds) / 1e9
-    return Rate(gbps, gbps / ceiling_gbps, seconds)
+class CaseRun:
+    """One case: the same random ids for both layouts, each measured by `measure(layout)`."""
 
+    def __init__(self, case: Case, arenas: Arenas, blocks: int, prefix_tokens: int,
+                 repeats: int, seed: int) -> None:
+        self.case, self.arenas, self.blocks, self.repeats = case, arenas, blocks, repeats
+        self.capacity = case_capacity(case, arenas)
+        rng = random.Random(seed)
+        self.ids = {side: disjoint_id_sets(rng, blocks, self.capacity) for side in ("dev", "host")}
+        prefix_blocks = blocks_for_tokens(prefix_tokens, case.layout.block_size)
+        self.prefix_tokens = prefix_tokens
+        self.prefix = {side: rng.sample(range(0, self.capacity, 2), prefix_blocks)
+                       for side in ("dev", "host")}
+        self.movers: dict[str, str] = {}
+        self.results: dict[str, LayoutResult] = {}
 
-def run_case(case: Case, arenas: Arenas, ceilings: Ceilings, blocks: int, prefix_tokens: int,
-             repeats: int, seed: int, step: Callable[[str], None]) -> CaseResult:
-    capacity = case_capacity(case, arenas)
-    rng = random.Random(seed)
-    ids = {side: disjoint_id_sets(rng, blocks, capacity) for side in ("dev", "host")}
-    prefix_blocks = blocks_for_tokens(prefix_tokens, case.layout.block_size)
-    prefix = {side: rng.sample(range(0, capacity, 2), prefix_blocks) for side in ("dev", "host")}
-    results = {}
-    movers = {}
-    for name in LAYOUTS:
-        segments = case_segments(case, arenas, capacity, layer_major=name == "layer_major")
+    def measure(self, name: str) -> None:
+        segments = case_segments(self.case, self.arenas, self.capacity,
+                                 layer_major=name == "layer_major")
         # Layer-major is the baseline: the copies vLLM itself would issue for it.
         mover = EngineMover(segments, "vllm" if name == "layer_major" else "auto")
-        movers[name] = mover.name
+        self.movers[name] = mover.name
         try:
-            results[name] = _measure_layout(case, segments, mover, ceilings, ids, prefix,
-                                            prefix_tokens, repeats, step, name)
+            self.results[name] = _measure_layout(self.case, segments, mover, self.ids,
+                                                 self.prefix, self.prefix_tokens, self.repeats)
         finally:
             mover.close()
-    return CaseResult(case.describe(), capacity, blocks, movers["block_major"],
-                      movers["layer_major"], results)
+
+    def as_dict(self, ceilings: Ceilings) -> dict[str, Any]:
+        """The case's record, every figure with its ratio of the run's ceilings."""
+        layouts = {}
+        for name, result in self.results.items():
+            r = asdict(result)
+            for key, ceiling in (("h2d", ceilings.h2d_gbps), ("d2h", ceilings.d2h_gbps),
+                                 ("bidir", ceilings.bidir_gbps)):
+                r[key]["ratio"] = r[key]["gbps"] / ceiling
+            r["host_ratio"] = result.host_us_per_block / ceilings.plain_call_us
+            # ideal time at the load ceiling / measured time
+            prefix_bytes = result.prefix_blocks * self.case.layout.block_bytes
+            r["prefix_ratio"] = prefix_bytes / (ceilings.h2d_gbps * 1e9) / (result.prefix_ms / 1e3)
+            layouts[name] = r
+        return {"case": self.case.describe(), "capacity": self.capacity, "blocks": self.blocks,
+                "mover": self.movers["block_major"], "baseline": self.movers["layer_major"],
+                "layouts": layouts}
 
 
 def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
-                    ceilings: Ceilings,
                     ids: dict[str, tuple[list[int], list[int]]],
-                    prefix: dict[str, list[int]], prefix_tokens: int, repeats: int,
-                    step: Callable[[str], None], name: str) -> LayoutResult:
+                    prefix: dict[str, list[int]], prefix_tokens: int,
+                    repeats: int) -> LayoutResult:
     (a_dev, b_dev), (a_host, b_host) = ids["dev"], ids["host"]
-    block_bytes = case.layout.block_bytes
-    job_bytes = len(a_dev) * block_bytes
-    label = f"{case.name} {name.replace('_', '-')}"
-
-    step(f"{label}: round-trip check")
+    job_bytes = len(a_dev) * case.layout.block_bytes
     check_round_trip(segments, mover, a_dev, a_host, b_dev)
 
-    step(f"{label}: one way")
     submit_s: list[float] = []
 
     def one_job(submit: Callable[[], object]) -> float:
@@ -189,7 +191,6 @@ def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
         d2h.append(one_job(lambda: mover.store(a_dev, a_host)))
         h2d.append(one_job(lambda: mover.load(a_host, a_dev)))
 
-    step(f"{label}: bidirectional")
     bidir = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -197,28 +198,22 @@ def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
         mover.wait(jobs)
         bidir.append(time.perf_counter() - t0)
 
-    step(f"{label}: prefix load")
     prefix_s = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         mover.wait([mover.load(prefix["host"], prefix["dev"])])
         prefix_s.append(time.perf_counter() - t0)
-    prefix_med = statistics.median(prefix_s)
-    ideal = len(prefix["dev"]) * block_bytes / (ceilings.h2d_gbps * 1e9)
 
-    host_us = statistics.median(submit_s) / len(a_dev) * 1e6
     return LayoutResult(
         row_bytes=segments[0].nbytes,
         copies_per_job=len(segments) * len(a_dev),
-        h2d=_rate(job_bytes, h2d, ceilings.h2d_gbps),
-        d2h=_rate(job_bytes, d2h, ceilings.d2h_gbps),
-        bidir=_rate(2 * job_bytes, bidir, ceilings.bidir_gbps),
-        host_us_per_block=host_us,
-        host_ratio=host_us / ceilings.plain_call_us,
+        h2d=_rate(job_bytes, h2d),
+        d2h=_rate(job_bytes, d2h),
+        bidir=_rate(2 * job_bytes, bidir),
+        host_us_per_block=statistics.median(submit_s) / len(a_dev) * 1e6,
         prefix_tokens=prefix_tokens,
         prefix_blocks=len(prefix["dev"]),
-        prefix_ms=prefix_med * 1e3,
-        prefix_ratio=ideal / prefix_med,
+        prefix_ms=statistics.median(prefix_s) * 1e3,
     )
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvconnector.bench import runner
 from kvconnector.bench.presets import PRESETS, build_cases
+from kvconnector.bench.progress import clock
 from kvconnector.bench.sizing import cgroup_memory_left, disjoint_id_sets
 from kvconnector.cli import main
 from kvconnector.cli.units import parse_size
@@ -32,39 +37,132 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path on any machine
     js, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main([*TINY, "--kv-dtype", "bf16,fp8", "--json", str(js), "--plot", str(png)]) == 0
-    out = capsys.readouterr().out
+    assert main([*TINY, "--kv-dtype", "bf16,fp8", "--remote-security", "none,secret",
+                 "--json", str(js), "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
     assert "No CUDA device" in out.splitlines()[0]
     assert "ceilings" in out and "block-major" in out and "layer-major" in out
     assert "llama-3.1-70b-tp8 bf16" in out and "llama-3.1-70b-tp8 fp8" in out
+    assert "best of 5 rounds" in out  # how the ceilings were taken, printed
+
+    # not a terminal: a line per unit (2 cases x 2 layouts, the last ceiling round, 2 cases x
+    # 2 remote modes), numbered, with the time so far and an estimate of the time left
+    lines = err.splitlines()
+    units = [re.fullmatch(r"\[(\d+)/9\] (.+) \((\d+:\d\d) so far, "
+                          r"(estimating|about \d+:\d\d left)\)", line) for line in lines[:-1]]
+    assert all(units), lines
+    assert [int(m.group(1)) for m in units] == list(range(1, 10))
+    assert [m.group(2) for m in units][:5] == [
+        "llama-3.1-70b-tp8 bf16 block-major", "llama-3.1-70b-tp8 bf16 layer-major",
+        "llama-3.1-70b-tp8 fp8 block-major", "llama-3.1-70b-tp8 fp8 layer-major",
+        "ceilings: last round"]
+    assert units[0].group(4) == "estimating" and units[1].group(4).startswith("about")
+    assert re.fullmatch(r"done in \d+:\d\d", lines[-1])
 
     record = json.loads(js.read_text())
     ceil = record["ceilings"]
     for key in ("h2d_gbps", "d2h_gbps", "bidir_gbps", "plain_call_us"):
         assert ceil[key] > 0
+    # one round before each case's layout and one after the last; each figure its best round
+    assert len(ceil["rounds"]) == 5 and "best of 5 rounds" in ceil["method"]
+    for key in ("h2d_gbps", "d2h_gbps", "bidir_gbps"):
+        assert ceil[key] == max(r[key] for r in ceil["rounds"])
+    assert ceil["plain_call_us"] == min(r["plain_call_us"] for r in ceil["rounds"])
     assert len(record["cases"]) == 2
     for case in record["cases"]:
         assert case["blocks"] == 8
         assert set(case["layouts"]) == {"block_major", "layer_major"}
         for r in case["layouts"].values():
-            for key in ("h2d", "d2h", "bidir"):
-                assert r[key]["gbps"] > 0 and r[key]["ratio"] > 0
+            for key, ceiling in (("h2d", "h2d_gbps"), ("d2h", "d2h_gbps"),
+                                 ("bidir", "bidir_gbps")):
+                assert r[key]["gbps"] > 0
+                assert r[key]["ratio"] == pytest.approx(r[key]["gbps"] / ceil[ceiling])
                 assert len(r[key]["seconds"]) == 1
             assert r["host_us_per_block"] > 0 and r["prefix_ms"] > 0
+            assert r["host_ratio"] == pytest.approx(r["host_us_per_block"] / ceil["plain_call_us"])
             assert r["prefix_blocks"] == 4  # 64 tokens of 16
+            ideal_s = 4 * case["case"]["block_bytes"] / (ceil["h2d_gbps"] * 1e9)
+            assert r["prefix_ratio"] == pytest.approx(ideal_s / (r["prefix_ms"] / 1e3))
     assert case["layouts"]["layer_major"]["copies_per_job"] == 80 * 8  # one per layer per block
     assert case["layouts"]["block_major"]["copies_per_job"] == 8
     assert record["meta"]["device_type"] == "cpu"
     assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-70b-tp8")
     remote = record["remote"]
-    assert {row["security"] for row in remote["rows"]} >= {"none", "secret"}
+    assert [(row["case"], row["security"]) for row in remote["rows"]] == [
+        (f"llama-3.1-70b-tp8 {d}", mode) for d in ("bf16", "fp8") for mode in ("none", "secret")]
     for row in remote["rows"]:
-        if row["security"] == "none":  # the other modes may report an error row instead
-            assert row["put"]["gbps"] > 0 and row["get"]["gbps"] > 0
-            assert row["baseline_put_gbps"] > 0 and row["baseline_get_gbps"] > 0
+        assert row["put"]["gbps"] > 0 and row["get"]["gbps"] > 0
+        assert row["baseline_put_gbps"] > 0 and row["baseline_get_gbps"] > 0
 
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_the_default_is_one_preset_both_layouts_and_one_remote_mode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    js = tmp_path / "bench.json"
+    assert main(["bench", "--budget", "64M", "--repeats", "1", "--json", str(js)]) == 0
+    record = json.loads(js.read_text())
+    assert [case["case"]["name"] for case in record["cases"]] == ["llama-3.1-8b bf16"]
+    assert set(record["cases"][0]["layouts"]) == {"block_major", "layer_major"}
+    assert [row["security"] for row in record["remote"]["rows"]] == ["secret"]
+    assert record["meta"]["command"].startswith(
+        "kvconnector bench --preset llama-3.1-8b --kv-dtype bf16 --remote-security secret ")
+    assert record["meta"]["wall_s"] > 0
+
+
+def test_preset_all_is_every_preset_and_every_security_mode() -> None:
+    from kvconnector.bench import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--preset", "all"])
+    assert [case.name for case in cli._cases(args)] == [f"{p} bf16" for p in PRESETS]
+    assert cli._securities(args) == ["none", "secret", "curve"]
+    args = parser.parse_args(["bench", "--preset", "all", "--remote-security", "none"])
+    assert cli._securities(args) == ["none"]
+
+
+@pytest.mark.parametrize(("argv", "module", "extra"), [
+    (["--plot", "bench.png"], "matplotlib", "bench"),
+    (["--redis-url", "redis://127.0.0.1:7000"], "redis", "bench"),
+    ([], "rich", "bench"),
+])
+def test_a_missing_extra_fails_at_once_naming_it(argv: list[str], module: str, extra: str,
+                                                 tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("measured before checking the extras")
+
+    monkeypatch.setattr(runner, "allocate_arenas", no_measuring)
+    monkeypatch.chdir(tmp_path)
+    assert exit_code([*TINY, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("kvconnector bench: error:") and f"needs {module}," in err
+    assert err.rstrip().endswith(f"pip install 'kvconnector[{extra}]'")
+    assert not (tmp_path / "bench.png").exists()
+
+
+def test_the_gpu_path_without_the_gpu_extra_fails_at_once(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    monkeypatch.setattr(runner, "allocate_arenas", None)  # never reached
+    assert exit_code(TINY) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the GPU path needs" in err
+    assert err.rstrip().endswith("pip install 'kvconnector[gpu]'")
+
+
+def test_progress_clock() -> None:
+    assert [clock(s) for s in (0, 7.4, 92, 3723)] == ["0:00", "0:07", "1:32", "1:02:03"]
 
 
 def test_explicit_shape_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,6 +184,9 @@ def test_explicit_shape_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> N
     (["--preset", "qwen3-32b", "--budget", "64M", "--blocks", "100"], "raise --budget"),
     (["--layers", "4"], "needs --layers, --kv-heads and --head-size"),
     (["--block-size", "0"], "--block-size must be a positive integer"),
+    (["--remote-security", "tls"], "unknown --remote-security 'tls'"),
+    (["--preset", "qwen3-32b", "--layers", "4", "--kv-heads", "1", "--head-size", "64"],
+     "not both"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
