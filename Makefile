@@ -13,6 +13,7 @@ setup:
 # the CPU torch 2.13.0; its torchvision/torchaudio/torchcodec are CUDA builds
 # that break `import transformers` on a CPU machine, so they go.
 setup-test:
+	@$(PY) -c 'import sys; print("setup-test: installing into", sys.prefix, "(PY=$(PY))")'
 	bash .ci/install-redis
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm==0.32.0
@@ -24,10 +25,11 @@ lint:
 
 # vLLM 0.33 pins torch 2.14, which has no CPU wheel here: the second run lays 0.33's Python code
 # (scheduler, cache planner, allocator, factory, worker-side driver: all of vLLM the connector
-# meets on a CPU) over this CPU torch, in a venv that sees everything else setup-test installed.
+# meets on a CPU) over this CPU torch, in a venv that sees everything else setup-test installed
+# in $(PY)'s environment, an activated venv included (.ci/overlay-venv says how).
 VLLM033 := .venv-vllm033
 test-vllm033:
-	$(PY) -m venv --system-site-packages $(VLLM033)
+	$(PY) .ci/overlay-venv $(VLLM033)
 	$(VLLM033)/bin/python -m pip install -q --no-deps vllm==0.33.0
 	KVCONNECTOR_REQUIRE_VLLM=0.33 $(VLLM033)/bin/python -m pytest -m vllm
 
