@@ -20,8 +20,10 @@ setup-test:
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e '.[test,bench,dev]'
 
+# The checkout's tracked files: a venv made inside it (`python3 -m venv v`, as a user may) holds
+# scripts ruff would check too (v/bin/jp.py). Outside a git checkout, everything under `.`.
 lint:
-	$(PY) -m ruff check .
+	$(PY) -m ruff check $$(git ls-files '*.py' 2>/dev/null | grep . || echo .)
 
 # vLLM 0.33 pins torch 2.14, which has no CPU wheel here: the second run lays 0.33's Python code
 # (scheduler, cache planner, allocator, factory, worker-side driver: all of vLLM the connector
