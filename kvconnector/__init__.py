@@ -5,11 +5,26 @@ views, recognition, backend registry), `transfer` (host pool, block index, copy 
 `kvconnector.offload` (the vLLM-free scheduler and worker cores), `kvconnector.vllm` (the thin vLLM
 adapter), `kvconnector.cli` and `kvconnector.bench`.
 
-Importing this package never imports CUDA-only modules (cupy, cuda-bindings) or vLLM.
+Importing this package never imports CUDA-only modules (cupy, cuda-bindings) or vLLM, nor torch:
+the public names (the layout core's: `KVLayout`, `allocate`, `layer_view`, ...) load on first use,
+so `kvconnector store serve` and other torch-free parts start in a fraction of a second.
 """
 
-# The public names are the layout core's (KVLayout, allocate, layer_view, ...).
-from kvconnector.layout import *  # noqa: F403
-from kvconnector.layout import __all__  # noqa: F401
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Not `from kvconnector import layout`: that would ask this very __getattr__ for "layout".
+    layout = importlib.import_module("kvconnector.layout")
+    if name in layout.__all__:
+        return getattr(layout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *importlib.import_module("kvconnector.layout").__all__])

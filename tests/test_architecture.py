@@ -157,3 +157,13 @@ def test_importing_a_lower_part_loads_no_upper_one() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[] []"
+
+
+def test_the_store_and_its_clients_start_without_torch() -> None:
+    # `kvconnector store serve` is a process of its own (tests start it under a deadline): the
+    # package, the CLI and the store must not pull in torch (5-12 s on a busy 2-core machine).
+    code = ("import sys, kvconnector, kvconnector.cli.store, transfer.remote.factory\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
