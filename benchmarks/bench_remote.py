@@ -155,17 +155,10 @@ def iperf3_gbps(streams: int) -> float | None:
             server.wait()
 
 
-def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
-             log: Path) -> list[dict[str, Any]]:
-    """Put and get GB/s of the store and the baseline for one mode, client and connection
-    count."""
+def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
+            store_url: str, raw_url: str) -> dict[tuple[str, str], list[float]]:
+    """Seconds of each measured trial per (system, op), from `clients` client processes."""
     ctx = mp.get_context("fork")  # workers inherit the imports; the parent holds no zmq state
-    capacity = 2 * clients * blocks * BLOCK  # two trials' worth: the warm-up fills it
-    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS))
-    store = StoreProcess(log, capacity=str(capacity),
-                         security_args=tuple(security_args(setup.server)), extra_args=io_threads)
-    baseline = RawServerProcess(setup.server, capacity, DEFAULT_IO_THREADS)
-    raw_url, store_url = baseline.start(), store.start()
     barrier = ctx.Barrier(clients)
     pipes, workers = [], []
     for index in range(clients):
@@ -197,8 +190,19 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
             worker.join(60)
             if worker.is_alive():
                 worker.kill()
-        baseline.stop()
-        store.stop()
+    return seconds
+
+
+def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
+             log: Path) -> list[dict[str, Any]]:
+    """Put and get GB/s of the store and the baseline for one mode, client and connection
+    count."""
+    capacity = 2 * clients * blocks * BLOCK  # two trials' worth: the warm-up fills it
+    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS))
+    store = StoreProcess(log, capacity=str(capacity),
+                         security_args=tuple(security_args(setup.server)), extra_args=io_threads)
+    with RawServerProcess(setup.server, capacity, DEFAULT_IO_THREADS) as baseline, store:
+        seconds = _trials(setup, clients, connections, blocks, trials, store.url, baseline.url)
     total = clients * blocks * BLOCK
     rows = []
     for op in ("put", "get"):
