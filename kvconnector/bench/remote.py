@@ -1,9 +1,12 @@
 """The remote tier: pool blocks put to and got from an in-process store on loopback.
 
-Each security mode (none, shared secret, CURVE) is held against a raw pyzmq baseline with the same
-security on the same loopback in the same run: one DEALER streams the same blocks, zero-copy, to a
-ROUTER that only counts them (put), or receives them into the pool from a ROUTER that only sends
-(get). The store adds the protocol, checksums and its index on top of that.
+The store client uses its default connections for this machine (several where cores allow:
+transfer.remote.store.lanes). Each security mode (none, shared secret, CURVE) is held against a
+raw pyzmq baseline with the same security on the same loopback in the same run
+(transfer.remote.store.baseline): as many DEALER connections, the same zero-copy frames in the
+same requests and window, to an in-process ROUTER (as the store is in-process: both pay for both
+ends) with the store's IO threads, which keeps the frames and sends them back on get. The store
+adds the protocol, checksums and its index on top of that.
 """
 
 from __future__ import annotations
@@ -11,12 +14,12 @@ from __future__ import annotations
 import random
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REMOTE_MAX_BYTES = 256 << 20  # per put/get: enough to reach steady state on loopback
@@ -101,6 +104,7 @@ def _measure_mode(case: Any, pool: torch.Tensor, n: int, mode: str, server_sec: 
     server = StoreServer(_LISTEN, 2 * nbytes, server_sec)
     endpoint = server.start()
     client = StoreClient(endpoint, client_sec, namespace=ns, pool=pool, timeout_s=_TIMEOUT_S)
+    connections = client.connections
     try:
         def put() -> None:
             result = client.put(keys, put_slots)
@@ -118,7 +122,7 @@ def _measure_mode(case: Any, pool: torch.Tensor, n: int, mode: str, server_sec: 
     finally:
         client.close()
         server.stop()
-    raw_put, raw_get = _raw_baseline(pool, n, server_sec, client_sec, repeats)
+    raw_put, raw_get = _raw_baseline(pool, n, server_sec, client_sec, repeats, connections)
     base = {"put": nbytes / statistics.median(raw_put) / 1e9,
             "get": nbytes / statistics.median(raw_get) / 1e9}
 
@@ -129,7 +133,10 @@ def _measure_mode(case: Any, pool: torch.Tensor, n: int, mode: str, server_sec: 
     return {"case": case.name, "security": mode, "block_bytes": block_bytes, "blocks": n,
             "put": rate(put_s, "put"), "get": rate(get_s, "get"),
             "baseline_put_gbps": base["put"], "baseline_get_gbps": base["get"],
-            "baseline": "raw pyzmq DEALER/ROUTER, same security, zero-copy frames"}
+            "connections": connections,
+            "baseline": f"raw pyzmq, {connections} DEALER connection(s) to an in-process "
+                        f"ROUTER, same security, requests, window and IO threads, zero-copy "
+                        f"frames (transfer/remote/store/baseline.py)"}
 
 
 def _timed(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -143,66 +150,32 @@ def _timed(fn: Callable[[], None], repeats: int) -> list[float]:
 
 
 def _raw_baseline(pool: torch.Tensor, n: int, server_sec: Any, client_sec: Any,
-                  repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds per round of n blocks client -> server (put) and server -> client (get)."""
-    import zmq
+                  repeats: int, connections: int) -> tuple[list[float], list[float]]:
+    """Seconds per round of n blocks put from the even rows and got into the odd rows."""
+    from transfer.remote.store.baseline import RawServer, RawStreams
+    from transfer.remote.store.client import (
+        DEFAULT_GET_BATCH_BYTES,
+        DEFAULT_MAX_IN_FLIGHT,
+        DEFAULT_PUT_BATCH_BYTES,
+        blocks_per_batch,
+    )
+    from transfer.remote.store.server import DEFAULT_IO_THREADS
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    auth = server_sec.apply_server(ctx, router, _LISTEN)
-    router.linger = 0
-    # A ROUTER drops what it cannot queue: a get of more blocks than its high-water mark lost the
-    # rest, and the run waited out the timeout for them. Mandatory, a send waits for room instead.
-    router.router_mandatory = 1
-    router.rcvtimeo = router.sndtimeo = int(_TIMEOUT_S * 1000)  # never hang on a lost peer
-    router.bind(_LISTEN)
-    endpoint = router.last_endpoint.decode()
-    rows = pool.numpy()
-    source = rows[0]  # the server sends one block's bytes n times: no store behind it
-    stop = threading.Event()
-
-    def serve() -> None:
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        while not stop.is_set():
-            if not poller.poll(50):
-                continue
-            ident, op = router.recv_multipart()
-            if op == b"put":
-                for _ in range(n):
-                    router.recv_multipart(copy=False)
-                router.send_multipart([ident, b"done"])
-            else:
-                for _ in range(n):
-                    router.send_multipart([ident, source], copy=False)
-
-    thread = threading.Thread(target=serve, name="bench-raw-zmq", daemon=True)
-    thread.start()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.rcvtimeo = int(_TIMEOUT_S * 1000)
-    client_sec.apply_client(dealer, endpoint)
-    dealer.connect(endpoint)
-    slots = list(range(1, 2 * n, 2))
-
-    def put() -> None:
-        dealer.send(b"put")
-        for i in range(n):
-            dealer.send(rows[2 * i], copy=False)
-        dealer.recv()
-
-    def get() -> None:
-        dealer.send(b"get")
-        for slot in slots:
-            dealer.recv_into(rows[slot])
-
+    rows: np.ndarray = pool.numpy()
+    block_bytes = rows.shape[1]
+    server = RawServer(server_sec, 2 * n * block_bytes, DEFAULT_IO_THREADS, _LISTEN)
+    streams = None
     try:
-        return _timed(put, repeats), _timed(get, repeats)
+        streams = RawStreams(server.start(), client_sec, rows, connections=connections,
+                             put_batch_blocks=blocks_per_batch(DEFAULT_PUT_BATCH_BYTES,
+                                                               block_bytes),
+                             get_batch_blocks=blocks_per_batch(DEFAULT_GET_BATCH_BYTES,
+                                                               block_bytes),
+                             max_in_flight=DEFAULT_MAX_IN_FLIGHT, timeout_s=_TIMEOUT_S)
+        sources, targets = list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))
+        return (_timed(lambda: streams.put(sources), repeats),
+                _timed(lambda: streams.get(targets), repeats))
     finally:
-        stop.set()
-        thread.join()
-        dealer.close(linger=0)
-        router.close(linger=0)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
+        if streams is not None:
+            streams.close()
+        server.stop()

@@ -75,8 +75,8 @@ def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:
         console.print(f"remote tier: skipped ({remote['skipped']})")
         return
     rt = Table(title="remote tier: in-process store on loopback, put/get of pool blocks",
-               caption="GB/s (ratio of a raw pyzmq stream of the same blocks with the same "
-                       "security, same run)")
+               caption="GB/s (ratio of raw pyzmq streams of the same blocks over as many "
+                       "connections, with the same security, same run)")
     for col in ("case", "security", "block", "blocks", "put", "get", "raw put", "raw get"):
         rt.add_column(col, justify="left" if col in ("case", "security") else "right")
     for row in remote["rows"]:

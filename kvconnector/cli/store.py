@@ -21,7 +21,7 @@ from kvconnector.cli.units import parse_size
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Limits
 from transfer.remote.store.security import Security, SecurityMode
-from transfer.remote.store.server import StoreServer
+from transfer.remote.store.server import DEFAULT_IO_THREADS, StoreServer
 
 _SECURITY_OPTIONS = {  # option -> (the mode it belongs to, server side, client side)
     "secret_file": (SecurityMode.SECRET, True, True),
@@ -48,6 +48,10 @@ def add_parser(subparsers: Any) -> None:
                        help="what zmq may hold for all connections together before the peer "
                             "holding the most is dropped (default: 256MiB or four of the "
                             "largest requests, whichever is more)")
+    serve.add_argument("--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS,
+                       help="zmq IO threads: connections are received and sent in parallel "
+                            f"over them (default: half the cores, at most 8; here "
+                            f"{DEFAULT_IO_THREADS})")
     _add_security_options(serve, server=True)
     serve.set_defaults(func=_serve)
     stats = commands.add_parser("stats", help="print a store's counters as JSON")
@@ -69,6 +73,16 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def _add_security_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
@@ -114,7 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
         limits = Limits(max_block_bytes=args.max_block_size,
                         max_message_bytes=max(Limits().max_message_bytes, args.max_block_size))
         server = StoreServer(args.listen, args.capacity, security, limits=limits,
-                             buffer_budget_bytes=args.buffer_budget)
+                             buffer_budget_bytes=args.buffer_budget,
+                             io_threads=args.io_threads)
         endpoint = server.bind()
     except (ValueError, zmq.ZMQError) as exc:
         print(f"kvconnector store serve: {exc}", file=sys.stderr)

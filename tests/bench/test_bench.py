@@ -230,14 +230,18 @@ def test_parse_size() -> None:
 def test_raw_remote_baseline_gets_more_blocks_than_the_high_water_mark(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The raw ROUTER once dropped every block past its 1000-message HWM, so a get of a large
-    case's blocks waited out the timeout (the GPU machine's run hung on its block-size sweep)."""
+    case's blocks waited out the timeout (the GPU machine's run hung on its block-size sweep).
+    Now over three connections, as the store client's lanes: every block put comes back."""
     from kvconnector.bench import remote
     from transfer.remote.store.security import Security
 
     monkeypatch.setattr(remote, "_TIMEOUT_S", 10.0)
     n, block = 3000, 16 << 10
     pool = torch.full((2 * n, block), 0xA5, dtype=torch.uint8)  # odd rows: where gets land
-    pool[0::2] = torch.arange(1, n + 1, dtype=torch.int32).view(n, 1).to(torch.uint8)
-    puts, gets = remote._raw_baseline(pool, n, Security.none(), Security.none(), repeats=2)
+    pool[0::2, :4] = torch.arange(n, dtype=torch.int32).view(n, 1).view(torch.uint8)
+    puts, gets = remote._raw_baseline(pool, n, Security.none(), Security.none(), repeats=2,
+                                      connections=3)
     assert len(puts) == len(gets) == 2 and min(puts + gets) > 0
-    assert torch.equal(pool[1::2], pool[0].expand(n, block))  # the server sends block 0 n times
+    got = pool[1::2, :4].contiguous().view(torch.int32).flatten()
+    assert sorted(got.tolist()) == list(range(n))  # each block once, whichever lane brought it
+    assert torch.equal(pool[1::2], pool[0::2][got.long()])

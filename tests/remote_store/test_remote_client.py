@@ -110,7 +110,8 @@ def fake() -> Iterator[Callable[..., FakeStore]]:
 
 def _fetch(url: str, keys: list[bytes] = KEYS, timeout_s: float = 5.0):
     pool = torch.full((len(keys), BLOCK), POISON, dtype=torch.uint8)
-    with StoreClient(url, NONE, namespace=NS, pool=pool, timeout_s=timeout_s) as client:
+    with StoreClient(url, NONE, namespace=NS, pool=pool, timeout_s=timeout_s,
+                     connections=1) as client:
         result = client.get(keys, range(len(keys)))
     for slot, (key, ok) in enumerate(zip(keys, result.ok, strict=True)):
         if ok:  # a slot reported valid holds exactly the stored bytes
@@ -200,7 +201,8 @@ def test_timeout_then_reconnect(fake: Callable[..., FakeStore]) -> None:
     answer = threading.Event()
     store = fake(lambda request, _: _get_reply(request) if answer.is_set() else None)
     pool = torch.full((4, BLOCK), POISON, dtype=torch.uint8)
-    with StoreClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=0.3) as client:
+    with StoreClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=0.3,
+                     connections=1) as client:
         first = client.get(KEYS, range(4))
         assert first.statuses == (BlockStatus.FAILED,) * 4
         assert bool((pool == POISON).all())
@@ -226,7 +228,8 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
     keys = NS.keys([b"p%d" % i for i in range(512)])
     try:
         with StoreClient(stalled.last_endpoint.decode(), NONE, namespace=NS, pool=pool,
-                         timeout_s=0.5, put_batch_bytes=32 * BLOCK, max_in_flight=16) as client:
+                         timeout_s=0.5, put_batch_bytes=32 * BLOCK, max_in_flight=16,
+                         connections=1) as client:
             result = client.put(keys, range(512))
             assert result.statuses == (BlockStatus.FAILED,) * 512
             assert unsent_at_close[0] > 0  # zmq still held frames when the put gave up
@@ -242,7 +245,7 @@ def test_get_refuses_slots_still_lent_to_zmq(fake: Callable[..., FakeStore]) -> 
 
     store = fake(lambda request, _: _get_reply(request))
     pool = torch.zeros((4, BLOCK), dtype=torch.uint8)
-    with StoreClient(store.url, NONE, namespace=NS, pool=pool) as client:
+    with StoreClient(store.url, NONE, namespace=NS, pool=pool, connections=1) as client:
         client._sending[2] = [Unsent()]  # as if a put's frame were still queued in zmq
         with pytest.raises(ValueError, match=r"slots \[2\] are still being sent"):
             client.get(KEYS, range(4))
@@ -257,7 +260,8 @@ def test_async_lookup_and_deadlines(fake: Callable[..., FakeStore]) -> None:
 
     store = fake(respond)
     pool = torch.zeros((4, BLOCK), dtype=torch.uint8)
-    with AsyncRemoteClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=1.0) as client:
+    with AsyncRemoteClient(store.url, NONE, namespace=NS, pool=pool, timeout_s=1.0,
+                           connections=1) as client:
         assert client.lookup(KEYS, deadline_s=5.0).result(timeout=10) == 3
         with pytest.raises(ValueError, match="not in this client's namespace"):
             client.lookup([Namespace("other", "bfloat16", 16, "x").key(1)])

@@ -24,8 +24,9 @@ NONE = Security.none()
 NS = Namespace("model-a", "bfloat16", 16, "BLNHC")
 KEYS = NS.keys([b"fault-%d" % i for i in range(COUNT)])
 POISON = 0xA5
+# one connection: its blocks succeed in order up to the cut (test_remote_lanes: several)
 OPTIONS = {"namespace": NS, "timeout_s": 3.0, "put_batch_bytes": 4 * BLOCK,
-           "get_batch_bytes": 4 * BLOCK, "max_in_flight": 2}
+           "get_batch_bytes": 4 * BLOCK, "max_in_flight": 2, "connections": 1}
 
 
 @pytest.fixture

@@ -4,12 +4,16 @@ The pool is a 2-D uint8 CPU tensor (num_slots, block_bytes), e.g. `KVBuffer.bloc
 rows must be contiguous (the row stride may exceed block_bytes). A put sends each slot straight
 from pool memory as a zero-copy zmq frame; the slot stays pinned (`pinned_slots`) until zmq
 reports the frame sent. A get receives each block with recv_into straight into its slot and
-checks the frame size, and the checksum on a small thread pool while the next block arrives: a
+checks the frame size, and the checksum (with one connection on a small thread pool while the
+next block arrives; with several on the lane's own thread, the block still in its cache): a
 slot is valid only where its status is OK, whatever happened (timeout, lost connection, corrupt
 or short frame).
 
-On a timeout or a lost connection the client drops its socket and connects afresh, so nothing
-late lands in a slot the caller has taken back, and a restarted store is found again.
+A client keeps several connections (`connections`, transfer.remote.store.lanes: one TCP stream
+moves what one core copies) and deals each put's and get's requests over them; statuses come
+back in the order of the keys whatever the lane. On a timeout or a lost connection the client
+drops that socket and connects afresh, so nothing late lands in a slot the caller has taken
+back, and a restarted store is found again; the other lanes' blocks are not affected.
 A StoreClient belongs to one thread at a time; AsyncRemoteClient (transfer.remote.async_client)
 runs one on a background thread and returns futures.
 """
@@ -21,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
+from itertools import count
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +39,8 @@ from transfer.remote.backend import (
     block_checksum,
     check_positive,
 )
-from transfer.remote.store.connection import Connection, Exchange, StoreError
+from transfer.remote.store.connection import Complete, Connection, Exchange, StoreError
+from transfer.remote.store.lanes import Lanes, default_connections, spread_batch
 from transfer.remote.store.protocol import (
     FRAME_SLACK_BYTES,
     Limits,
@@ -59,7 +65,7 @@ DEFAULT_TIMEOUT_S = 5.0
 # so their requests can be larger, which spreads the store's per-request work.
 DEFAULT_PUT_BATCH_BYTES = 4 << 20
 DEFAULT_GET_BATCH_BYTES = 16 << 20
-DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_MAX_IN_FLIGHT = 8  # requests per connection
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
 CHECK_THREADS = 2
 _STORE_STATUS_TEXT = {
@@ -71,10 +77,12 @@ _STORE_STATUS_TEXT = {
 
 
 class StoreClient(RemoteBackend):
-    """A connection to one store for one namespace and (for put/get) one pool.
+    """Connections to one store for one namespace and (for put/get) one pool.
 
-    Without a pool only lookup/exists/delete/stats/ping work; without a namespace only
-    stats/ping. `timeout_s` bounds the wait for each reply.
+    Without a pool only lookup/exists/delete/stats/ping work (over one connection); without a
+    namespace only stats/ping. `timeout_s` bounds the wait for each reply. `connections`: how
+    many connections a put or get spreads its requests over (default: from the cores,
+    `default_connections`), each with up to `max_in_flight` requests unanswered.
     """
 
     def __init__(self, url: str, security: Security, *,
@@ -82,7 +90,8 @@ class StoreClient(RemoteBackend):
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  put_batch_bytes: int = DEFAULT_PUT_BATCH_BYTES,
                  get_batch_bytes: int = DEFAULT_GET_BATCH_BYTES,
-                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 connections: int | None = None) -> None:
         tcp_host(url)
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
@@ -96,11 +105,18 @@ class StoreClient(RemoteBackend):
         self._sending: dict[int, list[zmq.MessageTracker]] = {}
         self._sending_lock = threading.Lock()  # pinned_slots may be asked from another thread
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
-        self._connection = Connection(url, security, max_frame_bytes=largest_frame,
-                                      max_in_flight=int(max_in_flight))
-        # A get checks each block's checksum here while the next one is received: on the
-        # calling thread the check would stall the receiving (xxhash releases the GIL).
-        self._checker = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvconnector-check")
+        if connections is None:  # key queries alone gain nothing from more connections
+            connections = 1 if pool is None else default_connections()
+        self._request_ids = count(1)
+        self._lanes = Lanes(url, security, count=connections, max_frame_bytes=largest_frame,
+                            max_in_flight=int(max_in_flight))
+        # With one connection a get checks each block's checksum here while the next one is
+        # received: on the calling thread the check would stall the receiving (xxhash releases
+        # the GIL). With several, each lane checks its blocks right after receiving them, hot
+        # in its core's cache, while the other lanes receive: a pool hop per block cost more
+        # (gets at 0.56-0.88 of the raw streams with it, 16 cores, 8 connections).
+        self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvconnector-check")
+                         if self.connections == 1 else None)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -116,14 +132,14 @@ class StoreClient(RemoteBackend):
         keys, slots = self.check_transfer(keys, slots, distinct_slots=False)
         rows = [self._rows[slot] for slot in slots]
         batches = []
-        for indices in _batch_ranges(len(keys), self._put_batch):
-            rid = self._connection.next_request_id()
+        for indices in self._batch_ranges(len(keys), self._put_batch):
+            rid = next(self._request_ids)
             part = slice(indices.start, indices.stop)
             header = partial(self._put_header, rid, keys[part], rows[part])
             batches.append(Exchange(rid, header, indices, rows[part]))
         statuses = [BlockStatus.FAILED] * len(keys)
 
-        def complete(batch: Exchange, reply: Reply) -> None:
+        def complete(_: Connection, batch: Exchange, reply: Reply) -> None:
             for i, status in zip(batch.indices, reply_statuses(reply, len(batch.indices)),
                                  strict=True):
                 statuses[i] = status
@@ -139,15 +155,15 @@ class StoreClient(RemoteBackend):
         keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
         self.check_not_pinned(slots)
         batches = []
-        for indices in _batch_ranges(len(keys), self._get_batch):
-            rid = self._connection.next_request_id()
+        for indices in self._batch_ranges(len(keys), self._get_batch):
+            rid = next(self._request_ids)
             header = encode_request(rid, Op.GET, self.namespace, keys[indices.start:indices.stop])
             batches.append(Exchange(rid, header, indices))
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [""] * len(keys)
         checks: list[tuple[int, int, Future[int]]] = []
 
-        def complete(batch: Exchange, reply: Reply) -> None:
+        def complete(connection: Connection, batch: Exchange, reply: Reply) -> None:
             n = len(batch.indices)
             wire = reply_statuses(reply, n)
             sizes, sums = reply_uints(reply, "sizes", n), reply_uints(reply, "sums", n)
@@ -156,23 +172,21 @@ class StoreClient(RemoteBackend):
                     statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
                     continue
                 row = self._rows[slots[i]]
-                status, errors[i] = self._receive_block(row, size)
-                if status is BlockStatus.OK:  # OK only once its checksum matches, below
+                status, errors[i] = _receive_block(connection, row, size)
+                if status is not BlockStatus.OK:
+                    statuses[i] = status
+                elif self._checker is None:
+                    statuses[i], errors[i] = _checked(row, keys[i], checksum)
+                else:  # OK only once its checksum matches, below
                     checks.append((i, checksum, self._checker.submit(block_checksum, row,
                                                                      keys[i])))
-                else:
-                    statuses[i] = status
 
         try:
             self._exchange(batches, complete, timeout_s)
         finally:  # never return while a checker still reads a slot the caller gets back
             wait([computed for _, _, computed in checks])
             for i, checksum, computed in checks:
-                if computed.result() == checksum:
-                    statuses[i] = BlockStatus.OK
-                else:
-                    errors[i] = "the bytes received do not match their checksum"
-                    statuses[i] = BlockStatus.CORRUPT
+                statuses[i], errors[i] = _verdict(computed.result() == checksum)
         return _result(batches, statuses, errors, ())
 
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
@@ -204,10 +218,15 @@ class StoreClient(RemoteBackend):
         """Round trip to the store; returns its protocol version."""
         return self._call(Op.PING, None, lambda r: _field(r, "protocol", int), timeout_s)
 
+    @property
+    def connections(self) -> int:
+        return len(self._lanes)
+
     def close(self) -> None:
-        """Drop the connection; frames not yet sent are discarded."""
-        self._connection.close()
-        self._checker.shutdown(wait=True)
+        """Drop the connections; frames not yet sent are discarded."""
+        self._lanes.close()
+        if self._checker is not None:
+            self._checker.shutdown(wait=True)
 
     def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
         sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
@@ -226,30 +245,23 @@ class StoreClient(RemoteBackend):
 
     def _call(self, op: Op, keys: list[bytes] | None, parse: Callable[[Reply], Any],
               timeout_s: float | None) -> Any:
-        rid = self._connection.next_request_id()
+        rid = next(self._request_ids)
         request = Exchange(rid, encode_request(rid, op, self.namespace, keys or ()))
         parsed = []
-        self._exchange([request], lambda _, reply: parsed.append(parse(reply)), timeout_s)
+        self._lanes.connections[0].exchange(
+            [request], lambda _, __, reply: parsed.append(parse(reply)),
+            self.call_timeout(timeout_s))
         if request.error:
             raise StoreError(request.error)
         return parsed[0]
 
-    def _exchange(self, requests: list[Exchange], complete: Callable[[Exchange, Reply], None],
+    def _exchange(self, requests: list[Exchange], complete: Complete,
                   timeout_s: float | None) -> None:
-        self._connection.exchange(requests, complete, self.call_timeout(timeout_s))
+        self._lanes.exchange(requests, complete, self.call_timeout(timeout_s))
 
-    def _receive_block(self, row: np.ndarray, size: int) -> tuple[BlockStatus, str]:
-        connection = self._connection
-        if not connection.more_frames():
-            return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
-        if size != row.nbytes:
-            connection.skip_frame()
-            return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
-                                      f"is {row.nbytes} B")
-        received = connection.recv_into(row)  # straight into the slot; the frame's full size
-        if received != size:
-            return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
-        return BlockStatus.OK, ""
+    def _batch_ranges(self, total: int, batch_blocks: int) -> list[range]:
+        step = spread_batch(total, batch_blocks, len(self._lanes))
+        return [range(start, min(start + step, total)) for start in range(0, total, step)]
 
     def _wait_sent(self, requests: list[Exchange], slots: list[int],
                    timeout_s: float | None) -> tuple[int, ...]:
@@ -263,6 +275,30 @@ class StoreClient(RemoteBackend):
                     with self._sending_lock:
                         self._sending.setdefault(slots[index], []).append(tracker)
         return tuple(sorted(self.pinned_slots.intersection(slots)))
+
+
+def _checked(row: np.ndarray, key: bytes, checksum: int) -> tuple[BlockStatus, str]:
+    return _verdict(block_checksum(row, key) == checksum)
+
+
+def _verdict(matches: bool) -> tuple[BlockStatus, str]:
+    if matches:
+        return BlockStatus.OK, ""
+    return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
+
+
+def _receive_block(connection: Connection, row: np.ndarray,
+                   size: int) -> tuple[BlockStatus, str]:
+    if not connection.more_frames():
+        return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
+    if size != row.nbytes:
+        connection.skip_frame()
+        return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
+                                  f"is {row.nbytes} B")
+    received = connection.recv_into(row)  # straight into the slot; the frame's full size
+    if received != size:
+        return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
+    return BlockStatus.OK, ""
 
 
 def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],
@@ -284,7 +320,3 @@ def _field(reply: Reply, name: str, kind: type) -> Any:
 def blocks_per_batch(batch_bytes: int, block_bytes: int) -> int:
     """Blocks per request: as many as fit in `batch_bytes`, at least one."""
     return max(1, min(BATCH_BLOCKS, batch_bytes // max(1, block_bytes)))
-
-
-def _batch_ranges(total: int, step: int) -> list[range]:
-    return [range(start, min(start + step, total)) for start in range(0, total, step)]

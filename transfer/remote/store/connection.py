@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any
 
 import zmq
@@ -51,25 +50,26 @@ class Exchange:
     error: str = ""  # set when no usable reply came
 
 
-class Connection:
-    """The DEALER socket of one client; not thread-safe."""
+# takes a reply to one of its requests and reads the reply's block frames from the connection
+Complete = Callable[["Connection", Exchange, Reply], None]
 
-    def __init__(self, url: str, security: Security, *, max_frame_bytes: int,
-                 max_in_flight: int) -> None:
+
+class Connection:
+    """One DEALER socket to the store, in `context`, on IO thread `io_thread` of it; used by
+    one thread at a time."""
+
+    def __init__(self, url: str, security: Security, *, context: zmq.Context, io_thread: int,
+                 max_frame_bytes: int, max_in_flight: int) -> None:
         self.url = url
+        self._io_thread = io_thread
         self._security = security
         self._max_frame_bytes = max_frame_bytes
         self._max_in_flight = max_in_flight
-        self._context = zmq.Context.instance()
-        self._request_ids = count(1)
+        self._context = context
         self._sock: zmq.Socket | None = None
         self._connect()
 
-    def next_request_id(self) -> int:
-        return next(self._request_ids)
-
-    def exchange(self, requests: list[Exchange], complete: Callable[[Exchange, Reply], None],
-                 timeout_s: float) -> None:
+    def exchange(self, requests: list[Exchange], complete: Complete, timeout_s: float) -> None:
         """Send with at most max_in_flight unanswered; `complete` takes each reply and reads
         its block frames; a request without a usable reply gets `error` set."""
         if self._sock is None:
@@ -128,8 +128,7 @@ class Connection:
             more = _SNDMORE if index < len(request.frames) - 1 else 0
             request.trackers.append(self._sock.send(frame, more, copy=False, track=True))
 
-    def _receive_reply(self, pending: dict[int, Exchange],
-                       complete: Callable[[Exchange, Reply], None]) -> None:
+    def _receive_reply(self, pending: dict[int, Exchange], complete: Complete) -> None:
         try:
             reply = decode_reply(self._sock.recv())
         except ProtocolError as exc:
@@ -144,7 +143,7 @@ class Connection:
             if not reply.ok:
                 request.error = f"the store refused the request ({reply.code}): {reply.error}"
             else:
-                complete(request, reply)
+                complete(self, request, reply)
         except ProtocolError as exc:
             request.error = f"malformed reply from the store at {self.url}: {exc}"
         finally:
@@ -192,6 +191,10 @@ class Connection:
         try:
             sock.linger = 0
             sock.immediate = 1
+            # libzmq gives a new connection the least loaded IO thread by a count it updates
+            # later: connections made at once can share one (and halve their speed), so each
+            # lane names its own
+            sock.affinity = 1 << self._io_thread
             sock.maxmsgsize = self._max_frame_bytes
             self._security.apply_client(sock, self.url)
             monitor = sock.get_monitor_socket(_MONITOR_EVENTS)

@@ -1,7 +1,9 @@
 """The store server: one ROUTER socket, one thread, blocks in memory (transfer.remote.store.memory).
 
-Requests are served one message at a time in arrival order, so clients interleave at request
-granularity; zmq's IO thread does the socket work. Blocks are received zero-copy (the store keeps
+Requests are served one message at a time in arrival order by one thread, the only one that
+touches the index, so clients interleave at request granularity. zmq's IO threads do the socket
+work (kernel copies, CURVE), each connection on one of them: several connections, of one client
+or of many, are received and sent in parallel. Blocks are received zero-copy (the store keeps
 the frame) and sent zero-copy with a MessageTracker that keeps them pinned until zmq is done.
 A large put's checksums are checked on worker threads (xxhash releases the GIL), its blocks in
 parallel, while the loop goes on receiving (inline on a machine with no core to spare for them;
@@ -73,6 +75,9 @@ VERIFY_INLINE_BYTES = 1 << 20
 # at most). With none to spare (2 cores) puts are checked inline: there thread hand-offs only
 # add CPU, and CPU per byte is what a busy 2-core machine's throughput is (docs/benchmarks.md).
 DEFAULT_VERIFY_THREADS = max(0, min(4, (os.cpu_count() or 1) - 2))
+# One TCP stream is what one IO thread copies (~4 GB/s on the GPU machine); half the cores, up
+# to 8, spread the connections (the serving and verifier threads need the rest).
+DEFAULT_IO_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
 @dataclass(eq=False)
@@ -92,7 +97,8 @@ class StoreServer:
 
     def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
                  limits: Limits | None = None, verify_threads: int | None = None,
-                 buffer_budget_bytes: int | None = None) -> None:
+                 buffer_budget_bytes: int | None = None,
+                 io_threads: int | None = None) -> None:
         tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
@@ -103,6 +109,11 @@ class StoreServer:
             raise ValueError(f"verify_threads must be an int >= 0 (0: check puts inline), "
                              f"got {verify_threads!r}")
         self._verify_threads = verify_threads
+        if io_threads is None:
+            io_threads = DEFAULT_IO_THREADS
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        self._io_threads = io_threads
         self.listen = listen
         self.limits = limits or Limits()
         self._guard = PeerGuard(buffer_budget(self.limits, buffer_budget_bytes))
@@ -124,7 +135,7 @@ class StoreServer:
 
     def bind(self) -> str:
         """Set up security, bind, and return the bound endpoint (with the real port)."""
-        self._context = zmq.Context()
+        self._context = zmq.Context(io_threads=self._io_threads)
         sock = self._context.socket(zmq.ROUTER)
         try:
             self._auth = self._security.apply_server(self._context, sock, self.listen)

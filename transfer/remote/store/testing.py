@@ -23,7 +23,7 @@ from transfer.remote.store.security import Security
 
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0  # the CLI imports torch: on a loaded 2-core machine that took 30 s
 STOP_TIMEOUT_S = 10.0
 
 

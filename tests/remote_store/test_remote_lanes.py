@@ -1,0 +1,229 @@
+"""A client spreading each put and get over several connections, against a real store process:
+every byte compared after poisoning, statuses per block in the keys' order, and a connection cut
+mid-job failing the blocks of its own lane only."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import suppress
+
+import pytest
+import torch
+
+from transfer.keys import Namespace
+from transfer.remote.backend import BlockStatus
+from transfer.remote.store.client import StoreClient, blocks_per_batch
+from transfer.remote.store.lanes import deal, default_connections, spread_batch
+from transfer.remote.store.security import Security
+from transfer.remote.store.testing import StoreProcess
+
+BLOCK = 256 << 10
+COUNT = 128
+LANES = 4
+BATCH_BYTES = 2 * BLOCK  # two blocks per request: 64 requests, 16 per lane
+NONE = Security.none()
+NS = Namespace("model-a", "bfloat16", 16, "lanes")
+KEYS = NS.keys([b"lane-%d" % i for i in range(COUNT)])
+POISON = 0xA5
+OPTIONS = {"namespace": NS, "timeout_s": 30.0, "connections": LANES,
+           "put_batch_bytes": BATCH_BYTES, "get_batch_bytes": BATCH_BYTES, "max_in_flight": 2}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
+    log = tmp_path_factory.mktemp("lanes") / "store.log"
+    with StoreProcess(log, capacity="256MiB", extra_args=("--io-threads", "2")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def source() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(24)
+    return torch.randint(0, 256, (COUNT, BLOCK), dtype=torch.uint8, generator=generator)
+
+
+class Relay:
+    """A TCP relay in front of the store: forwards each connection both ways, counts what each
+    carried, and cuts connection `cut` (accept order) once it has carried `after` bytes in
+    `direction` ("up": client to store, "down": store to client), as a failing link would."""
+
+    def __init__(self, store_url: str, cut: int, direction: str, after: int) -> None:
+        host, port = store_url[len("tcp://"):].rsplit(":", 1)
+        self._target = (host, int(port))
+        self._cut, self._direction, self._after = cut, direction, after
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.carried: list[dict[str, int]] = []  # per connection, bytes per direction
+        self.was_cut = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(self._target)
+            index = len(self.carried)
+            self.carried.append({"up": 0, "down": 0})
+            self._sockets += [client, upstream]
+            for direction, src, dst in (("up", client, upstream), ("down", upstream, client)):
+                thread = threading.Thread(target=self._pump, daemon=True,
+                                          args=(index, direction, src, dst, (client, upstream)))
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(self, index: int, direction: str, src: socket.socket, dst: socket.socket,
+              pair: tuple[socket.socket, socket.socket]) -> None:
+        with suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                self.carried[index][direction] += len(data)
+                if (index == self._cut and direction == self._direction
+                        and self.carried[index][direction] >= self._after):
+                    self.was_cut.set()
+                    break
+        for sock in pair:  # one side gone: drop the whole connection, both ways
+            _close(sock)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._sockets:
+            _close(sock)
+        for thread in self._threads:
+            thread.join(10)
+
+
+def _close(sock: socket.socket) -> None:
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _lane_of_block(count: int) -> list[int]:
+    """Which lane the client deals each block to (request k to lane k % LANES)."""
+    step = spread_batch(count, blocks_per_batch(BATCH_BYTES, BLOCK), LANES)
+    requests = [range(start, min(start + step, count)) for start in range(0, count, step)]
+    lanes = [0] * count
+    for lane, share in enumerate(deal(requests, LANES)):
+        for request in share:
+            for index in request:
+                lanes[index] = lane
+    return lanes
+
+
+def _check_in_store(store: StoreProcess, source: torch.Tensor) -> tuple[BlockStatus, ...]:
+    """Every key's block fetched afresh into a poisoned pool: the exact bytes or MISSING."""
+    target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+    with StoreClient(store.url, NONE, pool=target, **OPTIONS) as reader:
+        result = reader.get(KEYS, range(COUNT))
+    for index, status in enumerate(result.statuses):
+        assert status in (BlockStatus.OK, BlockStatus.MISSING), (index, result.errors[index])
+        expected = source[index] if status is BlockStatus.OK else torch.full_like(
+            source[index], POISON)
+        assert torch.equal(target[index], expected), index
+    return result.statuses
+
+
+def _forget(store: StoreProcess) -> None:
+    with StoreClient(store.url, NONE, namespace=NS) as admin:
+        admin.delete(KEYS)
+
+
+def test_defaults_and_dealing() -> None:
+    assert [default_connections(cores) for cores in (1, 2, 3, 4, 8, 16, 64)] == \
+        [1, 1, 1, 2, 4, 8, 8]
+    assert deal(list(range(7)), 3) == [[0, 3, 6], [1, 4], [2, 5]]
+    assert spread_batch(1000, 2, 8) == 2  # a large job keeps the request size
+    assert spread_batch(8, 8, 4) == 2  # a small one is split so every lane gets some
+    assert spread_batch(3, 8, 4) == 1
+    assert _lane_of_block(8) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_bad_connection_counts_are_refused(bad: object) -> None:
+    pool = torch.zeros((2, BLOCK), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=rf"connections must be an int >= 1, got {bad!r}"):
+        StoreClient("tcp://127.0.0.1:1", NONE, namespace=NS, pool=pool, connections=bad)
+
+
+def test_every_byte_round_trips_over_four_connections(store: StoreProcess,
+                                                      source: torch.Tensor) -> None:
+    _forget(store)
+    relay = Relay(store.url, cut=-1, direction="up", after=0)  # counts, never cuts
+    try:
+        with StoreClient(relay.url, NONE, pool=source, **OPTIONS) as writer:
+            assert writer.connections == LANES
+            put = writer.put(KEYS, range(COUNT))
+        assert put.statuses == (BlockStatus.OK,) * COUNT and put.pinned_slots == ()
+        assert len(relay.carried) == LANES
+        for carried in relay.carried:  # every connection carried its quarter of the blocks
+            assert carried["up"] >= COUNT // LANES * BLOCK
+
+        target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+        slots = torch.randperm(COUNT, generator=torch.Generator().manual_seed(3)).tolist()
+        with StoreClient(relay.url, NONE, pool=target, **OPTIONS) as reader:
+            got = reader.get(KEYS, slots)
+        assert got.statuses == (BlockStatus.OK,) * COUNT
+        assert torch.equal(target[slots], source)  # every byte, each in its own slot
+        for carried in relay.carried[LANES:]:
+            assert carried["down"] >= COUNT // LANES * BLOCK
+    finally:
+        relay.close()
+
+
+def test_statuses_come_back_in_key_order(store: StoreProcess, source: torch.Tensor) -> None:
+    _forget(store)
+    stored = [i for i in range(COUNT) if i % 3 != 1]
+    with StoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
+        assert writer.put([KEYS[i] for i in stored], stored).all_ok
+    target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+    with StoreClient(store.url, NONE, pool=target, **OPTIONS) as reader:
+        got = reader.get(KEYS, range(COUNT))
+    assert got.statuses == tuple(BlockStatus.MISSING if i % 3 == 1 else BlockStatus.OK
+                                 for i in range(COUNT))
+    assert got.errors[1] == "the store does not hold this key" and got.errors[0] == ""
+    assert torch.equal(target[stored], source[stored])
+    assert bool((target[1::3] == POISON).all())  # a missing block's slot is left alone
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_connection_cut_mid_job_fails_its_own_blocks_only(op: str, store: StoreProcess,
+                                                            source: torch.Tensor) -> None:
+    _forget(store)
+    if op == "get":
+        with StoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
+            assert writer.put(KEYS, range(COUNT)).all_ok
+    # each lane carries 16 requests of 512 KiB: the cut lands after 3 of its 8 MiB
+    relay = Relay(store.url, cut=1, direction="up" if op == "put" else "down", after=3 << 20)
+    target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+    try:
+        with StoreClient(relay.url, NONE, pool=source if op == "put" else target,
+                         **OPTIONS) as client:
+            result = getattr(client, op)(KEYS, range(COUNT))
+            assert relay.was_cut.is_set()
+            failed = [i for i, status in enumerate(result.statuses) if status is not BlockStatus.OK]
+            assert failed, "the cut connection's blocks cannot all have made it"
+            lanes = _lane_of_block(COUNT)
+            cut_lane = lanes[failed[0]]
+            assert {lanes[i] for i in failed} == {cut_lane}  # one lane's blocks, no other's
+            assert 0 < len(failed) < COUNT // LANES  # its blocks after the cut, not before
+            assert all(result.statuses[i] is BlockStatus.FAILED for i in failed)
+            assert result.errors[failed[0]] == f"lost the connection to the store at {relay.url}"
+            assert result.pinned_slots == ()
+            # the same client goes on: the cut lane reconnected
+            again = getattr(client, op)(KEYS[:8], range(8))
+            assert again.statuses == (BlockStatus.OK,) * 8
+    finally:
+        relay.close()
+    if op == "put":  # nothing corrupt stored: every key holds its bytes or nothing
+        statuses = _check_in_store(store, source)
+        assert all(statuses[i] is BlockStatus.OK for i in range(COUNT) if i not in failed)
+    else:  # a failed block's slot is untouched, the others hold exactly their bytes
+        ok = [i for i in range(COUNT) if i not in failed]
+        assert torch.equal(target[ok], source[ok])
+        assert bool((target[failed] == POISON).all())
