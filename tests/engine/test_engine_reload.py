@@ -1,0 +1,43 @@
+"""vLLM's real engine on CPU, TP 1, engine core and worker in this process: a reload from the
+CPU tier after vLLM's prefix cache is emptied, and a prompt extending a stored prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+from engine_checks import check_extending_a_stored_prefix, check_reload_after_reset
+from engine_support import block_bytes, running_llm
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: str) -> Iterator[LLM]:
+    with running_llm(tiny_model, {"cpu_bytes": 256 * block_bytes()}) as engine:
+        yield engine
+
+
+def _worker_path(worker: object) -> tuple[str, int, str]:  # runs on the worker
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    offload = get_kv_transfer_group()._worker
+    return offload.mode, offload.copies_per_block, worker.vllm_config.cache_config.kv_cache_layout
+
+
+def test_cpu_attention_resolves_a_layer_major_layout_so_blocks_move_per_layer(llm: LLM) -> None:
+    # CPU_ATTN declares only LBHNC; the connector copies each layer's page of a block.
+    (found,) = llm.collective_rpc(_worker_path)
+    assert found == ("per-layer", 4, "LBHNC")
+
+
+def test_a_reload_after_reset_gives_identical_tokens_and_logprobs(llm: LLM) -> None:
+    check_reload_after_reset(llm, seed=1)
+
+
+def test_a_prompt_extending_a_stored_prefix_loads_it_and_computes_the_rest(llm: LLM) -> None:
+    check_extending_a_stored_prefix(llm, seed=2)
