@@ -59,6 +59,8 @@ def start_llm(model_dir: str, extra_config: dict[str, Any], *, tensor_parallel_s
     from vllm.v1.engine.core_client import InprocClient
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    # collective_rpc sends the tests' functions to an engine core in another process pickled
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if tensor_parallel_size == 2:  # two CPU workers need a core each (CI has 2)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     transfer = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE_PATH,
@@ -130,16 +132,18 @@ def settle(llm: LLM, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
     connector's), so the next request finds the prefix only in the connector's tiers.
 
     vLLM refuses to reset while any block is in use, and the connector keeps a finished
-    request's blocks until its stores are reported complete: success means nothing is in flight.
-    An in-process engine core only moves when stepped, so this steps it meanwhile.
+    request's blocks until its stores are reported complete: success means no store is in
+    flight. An in-process engine core only moves when stepped: this steps it until the connector
+    has no job left, remote puts included (another engine may look for them next).
     """
     from vllm.v1.engine.core_client import InprocClient
 
     in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
     deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache():
+    while (in_process and scheduler_connector(llm).has_pending_push_work()) or \
+            not llm.reset_prefix_cache():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"vLLM still holds blocks after {timeout_s} s: stores in flight")
+            raise TimeoutError(f"the connector still has jobs after {timeout_s} s")
         if in_process:
             llm.llm_engine.step()
         else:

@@ -1,0 +1,45 @@
+"""vLLM's real engine on CPU at TP 2: two worker processes (one core each) under an engine core
+in its own process, as `vllm serve` and a default `LLM` run it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+from engine_checks import check_reload_after_reset
+from engine_support import block_bytes, running_llm
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: str) -> Iterator[LLM]:
+    with running_llm(tiny_model, {"cpu_bytes": 256 * block_bytes(2)}, tensor_parallel_size=2,
+                     in_process=False) as engine:
+        yield engine
+
+
+def _rank_path(worker: object) -> tuple[int, str, int, int]:  # runs on each worker
+    import os
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    offload = get_kv_transfer_group()._worker
+    return os.getpid(), offload.mode, offload.copies_per_block, offload.block_bytes
+
+
+def test_two_workers_in_their_own_processes_each_offload_their_half(llm: LLM) -> None:
+    import os
+
+    ranks = llm.collective_rpc(_rank_path)
+    pids = {pid for pid, *_ in ranks}
+    assert len(pids) == 2 and os.getpid() not in pids, ranks
+    assert [path for _, *path in ranks] == [["per-layer", 4, block_bytes(2)]] * 2
+
+
+def test_a_reload_at_tp2_gives_identical_tokens_and_logprobs(llm: LLM) -> None:
+    check_reload_after_reset(llm, seed=11, tensor_parallel_size=2)
