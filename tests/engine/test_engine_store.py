@@ -1,0 +1,119 @@
+"""Two real engines sharing one `kvconnector store serve` process (a child process on loopback):
+the second engine's first request is served from the store, bit-identical to the first engine's;
+then the store is killed between a lookup and its load, and vLLM recomputes (policy
+"recompute"): identical output, the failure counted, nothing corrupt left in any tier.
+
+Both engines are in-process TP 1 engines of the same configuration, run one after the other:
+their outputs are compared exactly, as within one engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from engine_checks import expect_corruption_seen
+from engine_support import (
+    Generation,
+    block_bytes,
+    counted,
+    counters,
+    forget_everything,
+    generate,
+    running_llm,
+    scheduler_connector,
+    settle,
+)
+from tiny_llama import prompt_ids
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from transfer.remote.store.testing import StoreProcess
+
+pytestmark = pytest.mark.engine
+
+SHARED = prompt_ids(21, 200)  # 6 full blocks: 192 tokens go through the store
+LOST = prompt_ids(22, 200)
+STORED_TOKENS = 192
+# Generous: under load a late lookup would quietly answer "not in the store" (a deadline is a
+# failure here, never a success). The dead store's get fails after REMOTE_TIMEOUT_S.
+REMOTE_TIMEOUT_S = 10.0
+
+
+def _extra(url: str) -> dict[str, Any]:
+    return {"cpu_bytes": 64 * block_bytes(), "remote_url": url, "remote_security": "none",
+            "remote_lookup_deadline_s": 60.0, "remote_timeout_s": REMOTE_TIMEOUT_S}
+
+
+@pytest.fixture(scope="module")
+def first_engine_outputs(tiny_model: str, store: StoreProcess) -> dict[str, Generation]:
+    """The first engine computes both prompts (stored in its CPU tier and put to the store),
+    waits for every put, and shuts down."""
+    with running_llm(tiny_model, _extra(store.url)) as llm:
+        outputs = {"shared": generate(llm, SHARED), "lost": generate(llm, LOST)}
+        settle(llm)
+    assert all(out.num_cached_tokens == 0 for out in outputs.values()), outputs
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def second_engine(tiny_model: str, store: StoreProcess,
+                  first_engine_outputs: dict[str, Generation]) -> Iterator[LLM]:
+    with running_llm(tiny_model, _extra(store.url)) as llm:
+        yield llm
+
+
+def test_the_second_engine_serves_its_first_request_from_the_store(
+        second_engine: LLM, first_engine_outputs: dict[str, Generation]) -> None:
+    llm, reference = second_engine, first_engine_outputs["shared"]
+    before = counters(llm)
+    got = generate(llm, SHARED)
+    gained = counted(llm, before)
+    assert got.same_output(reference), (reference, got)
+    assert got.num_cached_tokens == STORED_TOKENS, got
+    assert gained["external_prefix_cache_hits"] == STORED_TOKENS, gained
+    assert gained["kvconnector_remote_hit_tokens"] == STORED_TOKENS, gained
+    assert gained["kvconnector_load_bytes"] == STORED_TOKENS // 32 * block_bytes(), gained
+    assert gained["kvconnector_failed_loads"] == 0, gained
+    # a good fetch stays in the CPU tier: zero it there, the reload must change
+    expect_corruption_seen(llm, SHARED, reference, STORED_TOKENS)
+
+
+def test_the_store_killed_between_lookup_and_load_recomputes_identically(
+        second_engine: LLM, store: StoreProcess, first_engine_outputs: dict[str, Generation],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    llm, reference = second_engine, first_engine_outputs["lost"]
+    forget_everything(llm)  # this engine's CPU tier is empty: the blocks are in the store only
+    connector = scheduler_connector(llm)
+    allocated = connector.update_state_after_alloc
+    killed: list[int] = []
+
+    def kill_then_allocate(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens and not killed:  # the lookup found them; no get has started
+            store.kill()
+            killed.append(num_external_tokens)
+        allocated(request, blocks, num_external_tokens)
+
+    monkeypatch.setattr(connector, "update_state_after_alloc", kill_then_allocate)
+    before = counters(llm)
+    got = generate(llm, LOST)
+    gained = counted(llm, before)
+    assert killed == [STORED_TOKENS]
+    assert got.same_output(reference), (reference, got)
+    assert got.num_cached_tokens == 0, got  # recomputed
+    assert gained["kvconnector_failed_loads"] >= 1, gained
+    assert gained["kvconnector_load_bytes"] == 0, gained
+    monkeypatch.undo()
+
+    store.start()  # empty, on the same URL: the recomputed blocks' puts can land again
+    # nothing corrupt was kept: the recomputed blocks reload from the CPU tier identically
+    settle(llm)
+    before = counters(llm)
+    again = generate(llm, LOST)
+    assert again.same_output(reference), (reference, again)
+    assert again.num_cached_tokens == STORED_TOKENS, again
+    assert counted(llm, before)["kvconnector_load_bytes"] == \
+        STORED_TOKENS // 32 * block_bytes()
+    expect_corruption_seen(llm, LOST, reference, STORED_TOKENS)
