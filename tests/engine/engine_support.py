@@ -43,6 +43,9 @@ MODULE_PATH = "kvconnector.vllm"
 BLOCK_SIZE = 32  # CPU_ATTN runs multiples of 32
 KV_CACHE_BYTES = 64 << 20  # per worker: 1024 blocks at TP 1
 SETTLE_TIMEOUT_S = 120.0  # generous: CI is a busy 2-core machine
+# What start_llm sets in os.environ (vLLM reads them while the engine runs)
+ENGINE_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION",
+              "VLLM_CPU_OMP_THREADS_BIND")
 
 
 def block_bytes(tensor_parallel_size: int = 1) -> int:
@@ -53,7 +56,8 @@ def block_bytes(tensor_parallel_size: int = 1) -> int:
 def start_llm(model_dir: str, extra_config: dict[str, Any], *, tensor_parallel_size: int = 1,
               in_process: bool = True, kv_load_failure_policy: str = "recompute",
               **llm_kwargs: Any) -> LLM:
-    """An LLM with the connector (see module doc); `extra_config` is kv_connector_extra_config."""
+    """An LLM with the connector (see module doc); `extra_config` is kv_connector_extra_config.
+    Sets ENGINE_ENV in os.environ for the engine's life (running_llm restores them)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
     from vllm.v1.engine.core_client import InprocClient
@@ -92,12 +96,21 @@ def shutdown_llm(llm: LLM) -> None:
 
 @contextmanager
 def running_llm(model_dir: str, extra_config: dict[str, Any], **kwargs: Any) -> Iterator[LLM]:
-    """start_llm(...), shut down on exit (module-scoped fixtures yield from it)."""
-    llm = start_llm(model_dir, extra_config, **kwargs)
+    """start_llm(...), shut down on exit (module-scoped fixtures yield from it); the variables
+    start_llm sets in os.environ are restored then, so no later engine or server inherits them."""
+    saved = {name: os.environ.get(name) for name in ENGINE_ENV}
     try:
-        yield llm
+        llm = start_llm(model_dir, extra_config, **kwargs)
+        try:
+            yield llm
+        finally:
+            shutdown_llm(llm)
     finally:
-        shutdown_llm(llm)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(frozen=True)
