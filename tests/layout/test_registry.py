@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from registry_seeds import DSV4_INDEXERS, OPTED_IN, OPTED_OUT, SEEDED
+from registry_seeds import CPU, DSV4_INDEXERS, OPTED_IN, OPTED_OUT, REFERENCE, SEEDED
 
 from kvconnector.layout import registry
 from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
@@ -43,10 +43,36 @@ def own_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_seeded_names_and_opt_in() -> None:
     entries = {e.name: e for e in registry.registered_backends()}
     assert set(entries) == set(SEEDED)
-    assert {n for n, e in entries.items() if e.reads_strides} == set(OPTED_IN + DSV4_INDEXERS)
+    assert {n for n, e in entries.items() if e.reads_strides} == set(
+        OPTED_IN + DSV4_INDEXERS + REFERENCE)
     for entry in entries.values():
         assert entry.view is ViewKind.VLLM  # vLLM >= 0.32: every layer reads [B, H, N, C]
-        assert entry.evidence and entry.vllm_class.startswith("vllm.")
+        assert entry.evidence and (entry.vllm_class.startswith("vllm.")
+                                   or entry.vllm_class == registry.REF_ATTN_CLASS)
+
+
+def test_cpu_backends_are_recorded_with_what_they_declare() -> None:
+    # vLLM's CPU build: CPU_ATTN declares LBHNC; the MLA ones declare nothing but flatten the
+    # layer's cache with a dense .view, so a block-major view would fail or be misread.
+    declared = {name: recorded([name]).refusals[0].evidence for name in CPU}
+    assert "LBHNC only" in declared["CPU_ATTN"] and registry.lookup("CPU_ATTN").layouts == (
+        "LBHNC",)
+    for name, source in (("CPU_MLA", "cpu_mla.py"), ("AMX_MLA", "amx_mla.py")):
+        assert registry.lookup(name).layouts is None and source in declared[name]
+        assert ".view(-1" in declared[name]
+
+
+def test_refusal_for_one_backend_and_layout() -> None:
+    assert registry.refusal_for("CPU_ATTN", "LBHNC") is None  # layer-major: any backend's own
+    assert "opted out" in registry.refusal_for("AMX_MLA", "BLNHC", use_vllm=False).reason
+    assert registry.refusal_for("FLASH_ATTN", "BHLNC", use_vllm=False) is None
+    refusal = registry.refusal_for("FLASHINFER", "BLNHC", kv_dtype="fp8", use_vllm=False)
+    # Compute capability unknown: what every device accepts (cc 10 declares BLHNC alone).
+    assert refusal.reason == "accepts BLHNC of the block-outermost layouts, not BLNHC (KV dtype " \
+        "'fp8')"
+    assert "unknown backend" in registry.refusal_for("MY_ATTN", "BLNHC").reason
+    with pytest.raises(ValueError, match="unknown layout 'NHD'"):
+        registry.refusal_for("FLASH_ATTN", "NHD")
 
 
 def test_evidence_cites_sources() -> None:
@@ -254,7 +280,8 @@ def test_vllm_absent_uses_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- against vLLM 0.32 / 0.33 ---------------------------------------------------------------------
-VLLM_ENTRIES = [e.name for e in registry.registered_backends() if e.vllm_class]
+VLLM_ENTRIES = [e.name for e in registry.registered_backends()
+                if e.vllm_class and e.vllm_class.startswith("vllm.")]
 
 
 @pytest.mark.vllm
