@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvconnector.layout.descriptor import KVForm, KVLayout
-from kvconnector.layout.recognize import recognize
+from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy.base import CopyBackend
@@ -120,13 +120,17 @@ class OffloadWorker:
     def _disk_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         return [self._disk_digest + key[DIGEST_BYTES:] for key in keys]
 
-    def describe(self) -> str:
-        """One line: how blocks move and why."""
+    def describe(self, advise: bool = True) -> str:
+        """One line: how blocks move and why; without `advise`, no advice to ask for a
+        block-outermost layout (for a caller that did, or knows the engine refuses them)."""
         memory = "pinned" if self.pool.pinned else "pageable"
         copies = "1 copy" if self.copies_per_block == 1 else f"{self.copies_per_block} copies"
         how = (f"{self.mode}: {copies} per block; "
                f"{self.pool.num_slots} {memory} host slots of {self.block_bytes} B")
-        return how if self.reason is None else f"{how} ({self.reason})"
+        if self.reason is None:
+            return how
+        reason = self.reason if advise else self.reason.removesuffix(f"; {BLOCK_MAJOR_HINT}")
+        return f"{how} ({reason})"
 
     # ---- the step ----------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ Supported: one KV cache group of full attention (MLA included), any TP/PP size, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +44,18 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
-from kvconnector.layout.registry import decide
 from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
+from kvconnector.vllm.layout_choice import (
+    advise_block_outermost,
+    check_resolved,
+    layout_line,
+    layout_request,
+    resolved_backends,
+)
 from kvconnector.vllm.namespace import disk_namespace, engine_namespace, rank_namespace
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
@@ -70,45 +75,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
-
-# Backends vLLM may pick by itself on CUDA when none is configured (all opted in, by evidence).
-CUDA_AUTO_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLASHMLA", "FLASH_ATTN_MLA",
-                      "FLASHINFER_MLA", "CUTLASS_MLA", "TRITON_MLA")
-
-
-def required_layout(options: ConnectorOptions, backend_names: Sequence[str] | None, kv_dtype: str,
-                    compute_capability: tuple[int, int] | None = None) -> tuple[str | None, str]:
-    """(the layout to ask vLLM for, or None for its default; why).
-
-    `backend_names`: the attention backends that may read the cache (the configured one, or every
-    backend the platform may pick); None when that set is unknown (a non-CUDA platform with no
-    backend configured may pick one whose kernels are not known to read strides).
-    """
-    if options.layout == "engine":
-        return None, "opted out (layout 'engine')"
-    if options.layout != "auto":
-        return options.layout, "set in kv_connector_extra_config"
-    if backend_names is None:
-        return None, ("no attention backend configured on a non-CUDA platform: vLLM may pick one "
-                      "not known to read strides, so its default layout (per-layer copies)")
-    decision = decide(list(backend_names), compute_capability=compute_capability,
-                      kv_dtype=kv_dtype)
-    return decision.layout, decision.explain()
-
-
-def _layout_request(vllm_config: VllmConfig, options: ConnectorOptions) -> tuple[str | None, str]:
-    backend = vllm_config.attention_config.backend
-    kv_dtype = str(vllm_config.cache_config.cache_dtype)
-    if backend is not None:
-        return required_layout(options, [backend.name], kv_dtype)
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        return required_layout(options, None, kv_dtype)
-    capability = current_platform.get_device_capability()
-    cc = None if capability is None else (capability.major, capability.minor)
-    return required_layout(options, CUDA_AUTO_BACKENDS, kv_dtype, cc)
-
 
 def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
     groups = kv_cache_config.kv_cache_groups
@@ -164,7 +130,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         if self._num_slots == 0:
             raise ValueError(f"cpu_bytes {self.options.cpu_bytes} holds no block of "
                              f"{slot_bytes} B")
-        self._layout_request = _layout_request(vllm_config, self.options)
+        self._layout_request = layout_request(vllm_config, self.options)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
@@ -211,7 +177,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        return _layout_request(vllm_config, ConnectorOptions.parse(dict(extra)))[0]
+        return layout_request(vllm_config, ConnectorOptions.parse(dict(extra)))[0]
 
     # ---- worker side -------------------------------------------------------------------------
 
@@ -221,6 +187,12 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         config = self._kv_cache_config
+        asked, why = self._layout_request
+        resolved = self._vllm_config.cache_config.kv_cache_layout
+        kv_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        backends = resolved_backends(self._vllm_config, [name for group in config.kv_cache_groups
+                                                         for name in group.layer_names])
+        check_resolved(asked, why, resolved, backends, kv_dtype)  # before any pool is made
         device = next(iter(kv_caches.values())).device
         self._worker = OffloadWorker(
             kv_caches, self._num_slots, cache_groups=[g.layer_names for g in
@@ -239,10 +211,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             slab = SlabFile(self._disk.path, digest, self._worker.block_bytes,
                             self._num_disk_slots)
             self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
-        asked, why = self._layout_request
-        logger.info("CrossLayerOffloadConnector rank %d: asked for %s (%s), vLLM resolved %s; %s",
-                    self._vllm_config.parallel_config.rank, asked or "vLLM's default", why,
-                    self._vllm_config.cache_config.kv_cache_layout, self._worker.describe())
+        advise = advise_block_outermost(asked, backends, kv_dtype)
+        logger.info("%s", layout_line(self._vllm_config.parallel_config.rank, asked, why, resolved,
+                                      backends, self._worker.describe(advise)))
 
     def _jobs(self) -> StepJobs:
         if not isinstance(self._connector_metadata, OffloadConnectorMetadata):

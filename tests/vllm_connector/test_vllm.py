@@ -37,11 +37,9 @@ from vllm_harness import (  # noqa: E402
 
 from kvconnector.offload.worker import PER_LAYER  # noqa: E402
 from kvconnector.vllm.connector import (  # noqa: E402
-    CUDA_AUTO_BACKENDS,
     ConnectorOptions,
     CrossLayerOffloadConnector,
     _largest_pp_stage,
-    required_layout,
 )
 from kvconnector.vllm.stats import OffloadStats  # noqa: E402
 
@@ -81,7 +79,8 @@ def test_layout_opt_out_keeps_vllm_default_and_moves_layer_by_layer(
     # One line per worker says which path and why.
     lines = [r.getMessage() for r in caplog.records if r.name == "vllm.kvconnector"]
     assert lines == [f"CrossLayerOffloadConnector rank 0: asked for vLLM's default (opted out "
-                     f"(layout 'engine')), vLLM resolved LBNHC; {worker.describe()}"]
+                     f"(layout 'engine')), vLLM resolved LBNHC for TRITON_ATTN; "
+                     f"{worker.describe()}"]
 
 
 # -- options, layout choice, stats, lifecycle --------------------------------------------------
@@ -97,27 +96,6 @@ def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
     assert _largest_pp_stage(config(62, 4)) == 16
     assert _largest_pp_stage(config(81, 4)) == 21
     assert _largest_pp_stage(config(32, 1)) == 0
-
-
-def test_required_layout_choices() -> None:
-    auto = ConnectorOptions(cpu_bytes=1)
-    # No backend configured on CUDA: every backend vLLM may pick must accept the layout.
-    assert required_layout(auto, CUDA_AUTO_BACKENDS, "auto", (9, 0))[0] == "BLNHC"
-    assert required_layout(auto, CUDA_AUTO_BACKENDS, "auto", (10, 0))[0] == "BLHNC"  # FlashInfer
-    assert required_layout(auto, CUDA_AUTO_BACKENDS, "fp8", (9, 0))[0] == "BLHNC"
-    # ... and elsewhere the set is unknown (ROCm/XPU backends lack stride evidence): opt out.
-    layout, why = required_layout(auto, None, "auto")
-    assert layout is None and "non-CUDA platform" in why
-    assert required_layout(auto, ["FLASH_ATTN"], "auto")[0] == "BLNHC"
-    assert required_layout(auto, ["TRITON_MLA"], "auto")[0] == "BLNHC"
-    layout, why = required_layout(auto, ["FLEX_ATTENTION"], "auto")
-    assert layout is None and "FLEX_ATTENTION" in why
-    layout, why = required_layout(auto, ["ROCM_AITER_MLA"], "auto")
-    assert layout is None and "ROCM_AITER_MLA" in why
-    assert required_layout(ConnectorOptions(cpu_bytes=1, layout="BHLNC"), None, "auto")[0] \
-        == "BHLNC"
-    assert required_layout(ConnectorOptions(cpu_bytes=1, layout="engine"), ["FLASH_ATTN"],
-                           "auto")[0] is None
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -77,6 +77,10 @@ class EngineSetup:
     # TRITON_MLA as the configured backend (the layout request's input; no MLA kernel runs).
     # The model config stays Llama-shaped, so vLLM's own MLA spec fields are left at defaults.
     mla: bool = False
+    # The configured attention backend (an AttentionBackendEnum name; default TRITON_ATTN, or
+    # TRITON_MLA with `mla`): the connector's layout request reads it, and vLLM resolves the
+    # layout among the layouts its class declares. No kernel of it runs.
+    backend: str | None = None
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -107,8 +111,9 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
             kv_load_failure_policy=setup.kv_load_failure_policy),
         # The model forward is faked; the backend stands for the CUDA one a deployment would run
         # (left unset on a CPU platform, the connector keeps vLLM's default layout).
-        attention_config=AttentionConfig(backend=AttentionBackendEnum.TRITON_MLA if setup.mla
-                                         else AttentionBackendEnum.TRITON_ATTN),
+        attention_config=AttentionConfig(backend=AttentionBackendEnum[setup.backend]
+                                         if setup.backend else AttentionBackendEnum.TRITON_MLA
+                                         if setup.mla else AttentionBackendEnum.TRITON_ATTN),
         speculative_config=speculative,
         device_config=DeviceConfig("cpu"))
 

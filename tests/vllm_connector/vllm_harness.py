@@ -86,8 +86,11 @@ class Engine:
         world = tp * pp
         # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
         stages = [layer_specs(tp, layers, setup.mla) for layers in stage_layers(pp)]
+        declared = self.vllm_config.attention_config.backend.get_class() \
+            .supported_kv_cache_layouts()
+        supported = ALL_LAYOUTS if declared is None else [layout.name for layout in declared]
         self.layout = resolve_kv_cache_layout(
-            self.vllm_config, [ALL_LAYOUTS] * world,
+            self.vllm_config, [supported] * world,
             [spec for specs in stages for spec in specs.values()]).name
         groups = [get_kv_cache_groups(self.vllm_config, specs) for specs in stages]
         configs = [get_kv_cache_config_from_groups(self.vllm_config,
