@@ -155,18 +155,24 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
                     seq_len: int, scale: float) -> torch.Tensor:
     """Causal attention of one request's `query` ([q, Hq, D], its last q tokens) over its first
     `seq_len` cached tokens, gathered page by page from `kv_cache` ([B, H, N, 2D]) -> [q, Hq, D].
+
+    One query row at a time, over exactly the keys up to its own position: a token's output is
+    then the same bits however the batch was cut (a prompt computed whole, or after a loaded
+    prefix), as the engine tier's exact comparisons need.
     """
     block_size, head_size = kv_cache.shape[2], kv_cache.shape[-1] // 2
     pages = kv_cache[block_ids[:math.ceil(seq_len / block_size)].to(torch.long)]  # [b, H, N, 2D]
     tokens = pages.transpose(1, 2).flatten(0, 1)[:seq_len].float()  # [S, H, 2D]
-    k, v = tokens[..., :head_size], tokens[..., head_size:]
-    group = query.shape[1] // k.shape[1]  # query heads per KV head (GQA)
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", query.float(), k) * scale
+    group = query.shape[1] // tokens.shape[1]  # query heads per KV head (GQA)
+    k = tokens[..., :head_size].repeat_interleave(group, dim=1)
+    v = tokens[..., head_size:].repeat_interleave(group, dim=1)
     q_len = query.shape[0]
-    positions = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    scores.masked_fill_(torch.arange(seq_len).unsqueeze(0) > positions, float("-inf"))
-    return torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), v)
+    out = torch.empty(q_len, query.shape[1], v.shape[-1])
+    for row in range(q_len):
+        keys = seq_len - q_len + row + 1  # this token's position + 1
+        scores = torch.einsum("hd,shd->hs", query[row].float(), k[:keys]) * scale
+        out[row] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v[:keys])
+    return out
 
 
 @contextmanager
