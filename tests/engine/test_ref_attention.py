@@ -11,7 +11,15 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-from ref_attention import paged_attention, write_kv  # noqa: E402
+from ref_attention import (  # noqa: E402
+    CLASS_PATH,
+    NAME,
+    RefAttentionBackend,
+    paged_attention,
+    write_kv,
+)
+
+from kvconnector.layout import registry  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -94,3 +102,13 @@ def test_attention_gathers_the_layer_s_pages_through_the_strides(order: str) -> 
     _oracle(other, order, LAYER, int(block_ids[1]), 0, 2)[:] += 1.0
     assert not torch.equal(paged_attention(query, _layer_view(other, order, LAYER), block_ids,
                                            seq_len, scale), out)
+
+
+def test_the_registry_records_it_as_it_declares_with_its_evidence() -> None:
+    entry = registry.lookup(NAME)
+    assert entry.reads_strides and entry.vllm_class == CLASS_PATH == registry.REF_ATTN_CLASS
+    assert entry.layouts == tuple(
+        layout.name for layout in RefAttentionBackend.supported_kv_cache_layouts())
+    assert registry.backend_name(RefAttentionBackend) == NAME  # by class path, as vLLM builds it
+    assert registry.declared_layouts(entry).live
+    assert "test_engine_block_major.py" in entry.evidence
