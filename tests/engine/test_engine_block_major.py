@@ -8,6 +8,8 @@ the output (engine_checks.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from unittest.mock import patch
@@ -22,6 +24,30 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.engine
 
 LAYOUT = "BHLNC"  # block outermost, heads next: the per-layer view is not even page-dense
+
+
+def test_a_layout_the_picked_backend_is_not_known_to_read_stops_the_engine_at_start_up(
+        tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As with vLLM's AMX_MLA, which takes BLNHC and fails on its first forward: with REF_ATTN
+    # unproven, the worker refuses the layout vLLM took before any forward (first in this
+    # module: the module's engine is not started yet).
+    from ref_attention import NAME, ref_attention_backend
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from kvconnector.layout import registry
+
+    unproven = dataclasses.replace(registry.lookup(NAME), reads_strides=False)
+    monkeypatch.setitem(registry._REGISTRY, NAME, unproven)
+    try:
+        with ref_attention_backend(), pytest.raises(ValueError, match=(
+                "asked for KV cache layout BLNHC .* and vLLM resolved it, but attention backend "
+                "REF_ATTN reads the cache and is not known to read")):
+            start_llm(tiny_model, {"cpu_bytes": 256 * block_bytes(), "layout": "BLNHC"})
+    finally:  # the failed engine's process-wide state: vLLM keeps its worker-side connector
+        ensure_kv_transfer_shutdown()  # global, and the next engine would reuse that one
+        cleanup_dist_env_and_memory()
+        gc.collect()
 
 
 @pytest.fixture(scope="module")
