@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 from unittest.mock import patch
 
 import pytest
 from engine_checks import check_extending_a_stored_prefix, check_reload_after_reset
-from engine_support import block_bytes, shutdown_llm, start_llm
+from engine_support import block_bytes, running_llm
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -42,8 +43,9 @@ def test_a_layout_the_picked_backend_is_not_known_to_read_stops_the_engine_at_st
     try:
         with ref_attention_backend(), pytest.raises(ValueError, match=(
                 "asked for KV cache layout BLNHC .* and vLLM resolved it, but attention backend "
-                "REF_ATTN reads the cache and is not known to read")):
-            start_llm(tiny_model, {"cpu_bytes": 256 * block_bytes(), "layout": "BLNHC"})
+                "REF_ATTN reads the cache and is not known to read")), running_llm(
+                    tiny_model, {"cpu_bytes": 256 * block_bytes(), "layout": "BLNHC"}):
+            pass
     finally:  # the failed engine's process-wide state: vLLM keeps its worker-side connector
         ensure_kv_transfer_shutdown()  # global, and the next engine would reuse that one
         cleanup_dist_env_and_memory()
@@ -58,13 +60,12 @@ def started(tiny_model: str) -> Iterator[tuple[LLM, list[str]]]:
     from kvconnector.vllm import connector
 
     logger = connector.logger
-    # The layers take their backend when the model is built: inside the block.
-    with patch.object(logger, "info", wraps=logger.info) as info, ref_attention_backend():
-        llm = start_llm(tiny_model, {"cpu_bytes": 256 * block_bytes(), "layout": LAYOUT})
-    try:
+    with ExitStack() as stack:
+        # The layers take their backend when the model is built: inside the block.
+        with patch.object(logger, "info", wraps=logger.info) as info, ref_attention_backend():
+            llm = stack.enter_context(running_llm(tiny_model, {"cpu_bytes": 256 * block_bytes(),
+                                                               "layout": LAYOUT}))
         yield llm, [call.args[0] % call.args[1:] for call in info.call_args_list]
-    finally:
-        shutdown_llm(llm)
 
 
 @pytest.fixture(scope="module")
