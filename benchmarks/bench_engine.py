@@ -101,11 +101,11 @@ def first_step(out) -> tuple[int, float]:
 
 
 def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
-               remote_url: str | None) -> dict[str, Any]:
+               remote_url: str | None, seed: int) -> dict[str, Any]:
     """Measure one engine (this process): TTFT computed (and reloaded), decode step time."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     llm = start_engine(model, mode, prompt_tokens + DECODE_STEPS + 1, remote_url)
-    rng = random.Random(1234)
+    rng = random.Random(seed)  # each engine its own prompts: the store outlives the engines
     fresh = lambda n: [rng.randrange(3, 1024) for _ in range(n)]  # noqa: E731
     stored = prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
     result: dict[str, Any] = {"mode": mode, "ttft_compute_s": [], "ttft_reload_s": [],
@@ -167,7 +167,7 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def child(args: argparse.Namespace) -> int:
     result = run_engine(args.model, args.engine, args.prompt_tokens, args.trials,
-                        args.remote_url)
+                        args.remote_url, args.seed)
     Path(args.out).write_text(json.dumps(result))
     return 0
 
@@ -195,7 +195,8 @@ def parent(args: argparse.Namespace) -> int:
                 out = tmp / f"{index}-{mode}.json"
                 command = [sys.executable, __file__, "--engine", mode, "--model", model,
                            "--out", str(out), "--prompt-tokens", str(args.prompt_tokens),
-                           "--trials", str(args.trials), "--remote-url", store.url]
+                           "--trials", str(args.trials), "--remote-url", store.url,
+                           "--seed", str(index)]
                 print(f"bench_engine: {mode} engine ...", file=sys.stderr, flush=True)
                 subprocess.run(command, env=env, check=True, cwd=tmp)
                 run = json.loads(out.read_text())
@@ -229,6 +230,7 @@ def main() -> int:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--remote-url", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     return child(args) if args.engine else parent(args)
 
