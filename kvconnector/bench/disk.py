@@ -72,7 +72,8 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
     except DiskError as exc:
         pool.close()
         raise BenchError(str(exc)) from None
-    io = DiskIO(slab, pool.slots, threads=threads)
+    # The bench submits a whole pass at once: its write bound is the pass (1 GiB by default).
+    io = DiskIO(slab, pool.slots, threads=threads, max_write_bytes=n * request)
     try:
         expected = _fill(pool.slots)
         keys = [digest + i.to_bytes(8, "little") for i in range(n)]
