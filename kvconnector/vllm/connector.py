@@ -230,8 +230,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         if self._remote is not None:
             namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
                                                self._vllm_config.parallel_config)
-            self._worker.attach_remote(RemoteFetcher(self._remote, namespace.digest,
-                                                     self._worker.pool.slots, writes=writes))
+            remote = self._remote
+            self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,
+                                                                  writes=writes))
         if self._disk is not None:
             parallel = self._vllm_config.parallel_config
             digest = disk_namespace(self._namespace, parallel.rank,
