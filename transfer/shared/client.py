@@ -27,9 +27,10 @@ class PoolError(ConnectionError):
 
 
 class PoolClient:
-    """One connection to pool `name`'s daemon for the given namespaces (a lease)."""
+    """One connection to pool `name`'s daemon for the given namespaces, whose blocks use
+    `entry_bytes` of a slot (a lease)."""
 
-    def __init__(self, name: str, namespaces: Sequence[Namespace | bytes], *,
+    def __init__(self, name: str, namespaces: Sequence[Namespace | bytes], entry_bytes: int, *,
                  timeout_s: float = 5.0, directory: Path | None = None) -> None:
         self.path = p.socket_path(name, directory)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -42,7 +43,7 @@ class PoolClient:
             raise PoolError(f"no pool daemon for {name!r} at {self.path}: {exc}") from exc
         digests = [ns.digest if isinstance(ns, Namespace) else ns for ns in namespaces]
         try:
-            self.info = p.PoolInfo(*self.request(p.HELLO, digests))
+            self.info = p.PoolInfo(*self.request(p.HELLO, digests, entry_bytes))
         except (PoolError, ValueError) as exc:  # e.g. refused: another uid
             self._sock.close()
             raise PoolError(f"pool {name!r} at {self.path}: {exc}") from exc
@@ -86,17 +87,20 @@ class PoolClient:
 
 
 class SharedIndex:
-    """BlockIndex's verbs for one namespace, served by the pool daemon (see module doc).
+    """BlockIndex's verbs for one namespace, served by the pool daemon (see module doc);
+    `entry_bytes`: the bytes of a slot one block (of every rank) uses.
 
     `segment` names the shared memory the slots live in and `epoch` counts connections: a job
     planned under an older epoch belongs to a lease that is gone, and its completion must not
     reach the index (OffloadScheduler checks).
     """
 
-    def __init__(self, name: str, namespace: Namespace, *, timeout_s: float = 5.0,
-                 retry_s: float = 1.0, directory: Path | None = None) -> None:
+    def __init__(self, name: str, namespace: Namespace, entry_bytes: int, *,
+                 timeout_s: float = 5.0, retry_s: float = 1.0,
+                 directory: Path | None = None) -> None:
         self.name = name
         self.namespace = namespace
+        self.entry_bytes = entry_bytes
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.directory = directory
@@ -120,8 +124,8 @@ class SharedIndex:
             return None
         self._next_try = now + self.retry_s
         try:
-            client = PoolClient(self.name, [self.namespace], timeout_s=self.timeout_s,
-                                directory=self.directory)
+            client = PoolClient(self.name, [self.namespace], self.entry_bytes,
+                                timeout_s=self.timeout_s, directory=self.directory)
         except PoolError:
             if raise_errors:
                 raise
@@ -140,14 +144,15 @@ class SharedIndex:
             self._client = None
 
     def _call(self, verb: str, *args: Any, default: Any) -> Any:
-        client = self._connect()
-        if client is None:
-            return default
-        try:
-            return client.request(verb, *args)
-        except PoolError:
-            self._lost()
-            return default
+        for _ in range(2):  # a broken connection is found by using it: then one fresh try
+            client = self._connect()
+            if client is None:
+                return default
+            try:
+                return client.request(verb, *args)
+            except PoolError:
+                self._lost()
+        return default
 
     def _notice(self, verb: str, *args: Any) -> None:
         if self._client is None:

@@ -25,7 +25,7 @@ import msgpack
 
 from kvconnector.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
 from kvconnector.layout import HOST_ALIGNMENT, KVForm, KVLayout
-from transfer.remote.backend import block_checksum
+from transfer.remote.protocol import block_checksum
 from transfer.shared import protocol as p
 from transfer.shared.index import SharedBlockIndex
 
@@ -62,7 +62,7 @@ class PoolDaemon:
                                          shared_name=segment)
         self.slots = self.buffer.block_chunks().numpy()
         self.info = p.PoolInfo(segment, self.buffer.num_blocks, slot_bytes)
-        self.index = SharedBlockIndex(self.info.num_slots, policy, self._checksum)
+        self.index = SharedBlockIndex(self.info.num_slots, slot_bytes, policy, self._checksum)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_mask = os.umask(0o177)  # the socket is created 0600
         try:
@@ -77,8 +77,8 @@ class PoolDaemon:
         self._running = True
         self.refused = 0  # connections of another uid
 
-    def _checksum(self, key: bytes, slot: int) -> int:
-        return block_checksum(self.slots[slot], key)
+    def _checksum(self, key: bytes, slot: int, nbytes: int) -> int:
+        return block_checksum(self.slots[slot, :nbytes], key)
 
     def _remove_stale(self) -> None:
         if self.path.exists():
@@ -170,7 +170,7 @@ class PoolDaemon:
     def _request(self, client: _Client, verb: str, args: list[Any]) -> Any:
         index = self.index
         if verb == p.HELLO:
-            index.open(client.id, args[0])
+            index.open(client.id, args[0], args[1])
             client.greeted = True
             return self.info.as_list()
         if verb == p.LOOKUP:

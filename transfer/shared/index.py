@@ -8,7 +8,7 @@ before a reconnect, is ignored). When a client goes (its socket closed: exit, SI
 fails its stores (their slots were being written: never readable) and drops its pins.
 
 Checksums: on commit the daemon takes each block's xxh3-64, seeded by its key as the remote tier
-does (transfer.remote.backend.block_checksum), so a block carries its checksum and namespace to
+does (block_checksum), so a block carries its checksum and namespace to
 whoever reads it or a tier below.
 """
 
@@ -24,29 +24,40 @@ from transfer.keys import DIGEST_BYTES
 
 @dataclass
 class Lease:
-    """What one client holds: its namespaces, keys being stored and pins."""
+    """What one client holds: its namespaces, the slot bytes its blocks use, keys being stored
+    and pins."""
 
     namespaces: frozenset[bytes]
+    entry_bytes: int
     storing: set[bytes] = field(default_factory=set)
     pins: Counter[bytes] = field(default_factory=Counter)
 
 
 class SharedBlockIndex:
-    """Keys of several namespaces -> slots of one pool; `checksum(key, slot)` hashes a slot."""
+    """Keys of several namespaces -> slots of one pool; `checksum(key, slot, nbytes)` hashes the
+    first `nbytes` of a slot."""
 
-    def __init__(self, num_slots: int, policy: str, checksum: Callable[[bytes, int], int]) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, policy: str,
+                 checksum: Callable[[bytes, int, int], int]) -> None:
         self.index = BlockIndex(None, num_slots, policy)
+        self.slot_bytes = slot_bytes
         self._checksum = checksum
         self._sums: dict[bytes, int] = {}  # stored keys -> checksum taken at commit
         self.leases: dict[int, Lease] = {}  # client id -> its lease
 
-    def open(self, client: int, namespaces: Sequence[bytes]) -> None:
+    def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
+        """A new client whose blocks, of the given namespaces, use `entry_bytes` of a slot."""
         digests = frozenset(namespaces)
         if not digests or any(not isinstance(d, bytes) or len(d) != DIGEST_BYTES
                               for d in digests):
             raise ValueError(f"hello needs namespace digests of {DIGEST_BYTES} B, got "
                              f"{list(namespaces)!r}")
-        self.leases[client] = Lease(digests)
+        if isinstance(entry_bytes, bool) or not isinstance(entry_bytes, int) \
+                or not 0 < entry_bytes <= self.slot_bytes:
+            raise ValueError(f"a block of {entry_bytes!r} B does not fit this pool's slots of "
+                             f"{self.slot_bytes} B: serve the pool with --slot-bytes "
+                             f"{entry_bytes} or more")
+        self.leases[client] = Lease(digests, entry_bytes)
 
     def release(self, client: int) -> None:
         """The client is gone: its stores fail, its pins drop."""
@@ -97,7 +108,7 @@ class SharedBlockIndex:
         for key, ok in held:
             lease.storing.discard(key)
             if ok:
-                self._sums[key] = self._checksum(key, self._slot_of(key))
+                self._sums[key] = self._checksum(key, self.index.slot_of(key), lease.entry_bytes)
         self.index.complete_store([k for k, _ in held], [ok for _, ok in held])
 
     def complete_load(self, client: int, keys: Sequence[bytes]) -> None:
@@ -129,6 +140,3 @@ class SharedBlockIndex:
                 raise ValueError(f"key {key!r} is not of a namespace this client declared")
             out.append(key)
         return out
-
-    def _slot_of(self, key: bytes) -> int:
-        return self.index.slot_of(key)

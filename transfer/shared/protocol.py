@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-HELLO = "hello"  # (namespace digests) -> PoolInfo fields
+HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
 PREPARE_STORE = "prepare_store"  # (keys) -> [placed keys, slots, not placed keys, evicted keys]
 PREPARE_LOAD = "prepare_load"  # (keys) -> slots, all pinned; None when one is not stored
