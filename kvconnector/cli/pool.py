@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from kvconnector.units import parse_size
+from kvconnector.cli.units import parse_size
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient, PoolError
 

@@ -13,11 +13,11 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kvconnector.allocator import allocate
 from kvconnector.layout import KVLayout
-from kvconnector.offload_scheduler import OffloadScheduler
-from kvconnector.offload_worker import OffloadWorker, TransferEvents
-from transfer.copy_backends import ThreadBackend
+from kvconnector.layout.allocator import allocate
+from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.worker import OffloadWorker, TransferEvents
+from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
 from transfer.shared.client import SharedIndex
 from transfer.shared.mapping import SharedPart

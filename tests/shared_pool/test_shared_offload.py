@@ -29,7 +29,7 @@ from pool_sides import (
     writer_child,
 )
 
-from transfer.remote.protocol import block_checksum
+from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
 from transfer.shared.testing import PoolProcess

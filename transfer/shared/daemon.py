@@ -23,9 +23,9 @@ from typing import Any
 
 import msgpack
 
-from kvconnector.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
 from kvconnector.layout import HOST_ALIGNMENT, KVForm, KVLayout
-from transfer.remote.protocol import block_checksum
+from kvconnector.layout.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
+from transfer.remote.backend import block_checksum
 from transfer.shared import protocol as p
 from transfer.shared.index import SharedBlockIndex
 
