@@ -23,8 +23,8 @@ from typing import Any
 
 import msgpack
 
-from kvconnector.layout import HOST_ALIGNMENT, KVForm, KVLayout
 from kvconnector.layout.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVForm, KVLayout
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol as p
 from transfer.shared.index import SharedBlockIndex
