@@ -215,9 +215,14 @@ class SharedIndex:
         """The xxh3-64 each block got when committed (None: not stored, or no daemon)."""
         return self._call(p.CHECKSUMS, list(keys), default=[None] * len(keys))
 
+    def pool_stats(self) -> dict[str, Any] | None:
+        """The daemon's counters (None without a daemon); answered after every notice sent
+        before it is applied."""
+        return self._call(p.STATS, default=None)
+
     @property
     def stats(self) -> IndexStats:
-        """This client's counters (the daemon's own: `PoolClient.request(STATS)`)."""
+        """This client's counters (the daemon's own: `pool_stats`)."""
         return IndexStats(**vars(self._stats))
 
     def close(self) -> None:
