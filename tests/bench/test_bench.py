@@ -87,6 +87,13 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert case["layouts"]["block_major"]["copies_per_job"] == 8
     assert record["meta"]["device_type"] == "cpu"
     assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-70b-tp8")
+    shared = record["shared_pool"]["rows"]
+    assert [row["case"] for row in shared] == [c["case"]["name"] for c in record["cases"]]
+    for row in shared:  # a writer process's blocks, loaded here and compared byte for byte
+        assert "error" not in row, row
+        assert row["blocks"] >= 1 and row["load_gbps"] > 0 and row["bidir_gbps"] > 0
+        assert row["load_ratio"] > 0 and row["load_meta_us"] > 0 and row["store_meta_us"] > 0
+    assert "shared host pool" in out
     remote = record["remote"]
     assert [(row["case"], row["security"]) for row in remote["rows"]] == [
         (f"llama-3.1-70b-tp8 {d}", mode) for d in ("bf16", "fp8") for mode in ("none", "secret")]
