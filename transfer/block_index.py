@@ -216,6 +216,10 @@ class BlockIndex:
         return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted,
                          evicted_slots)
 
+    def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]:
+        """`prepare_store` of each list in turn (one call per engine step)."""
+        return [self.prepare_store(keys) for keys in key_lists]
+
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
         """Finish stores begun by prepare_store: ok keys become readable, failed ones free their
         slot and are forgotten. `ok` is one flag for all keys or one per key."""

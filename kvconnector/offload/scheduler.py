@@ -247,26 +247,39 @@ class OffloadScheduler:
                     num_ready_tokens: int) -> None:
         """Store the request's full blocks whose KV is complete once `num_ready_tokens` are
         computed and that the tier lacks; each block is considered once per request life."""
-        state = self._requests.setdefault(req_id, _Request())
-        ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
-        if ready <= state.stored_upto:
+        self.plan_step_stores([(req_id, block_hashes, block_ids, num_ready_tokens)])
+
+    def plan_step_stores(self, requests: Sequence[tuple[str, Sequence[bytes], Sequence[int],
+                                                        int]]) -> None:
+        """`plan_stores` for each (request, hashes, block ids, ready tokens) of a step, with one
+        call to the index for all of them (one round trip to a shared pool's daemon)."""
+        wanted = []
+        for req_id, block_hashes, block_ids, num_ready_tokens in requests:
+            state = self._requests.setdefault(req_id, _Request())
+            ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
+            if ready <= state.stored_upto:
+                continue
+            start, state.stored_upto = state.stored_upto, ready
+            keys = self.namespace.keys(list(block_hashes[start:ready]))
+            wanted.append((req_id, state, block_ids, start, keys))
+        if not wanted:
             return
-        start, state.stored_upto = state.stored_upto, ready
-        keys = self.namespace.keys(list(block_hashes[start:ready]))
-        plan = self.index.prepare_store(keys)  # skips keys stored or being stored
-        self._counters.unplaced_blocks += len(plan.not_placed)
-        self._spill_evicted(plan)
-        if not plan.keys:
-            return
-        position = {key: start + i for i, key in enumerate(keys)}
-        job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
-        if self.remote:
-            self._puts[job_id] = _Put(list(plan.keys), self.num_workers, self.index.epoch)
-        self._step.stores.append(TransferJob(job_id, req_id,
-                                             tuple(block_ids[position[k]] for k in plan.keys),
-                                             tuple(plan.slots),
-                                             tuple(plan.keys) if self.remote else (),
-                                             pool=self.index.segment))
+        # Skips keys stored or being stored (by an earlier request of the batch too).
+        plans = self.index.prepare_stores([keys for *_, keys in wanted])
+        for (req_id, state, block_ids, start, keys), plan in zip(wanted, plans, strict=True):
+            self._counters.unplaced_blocks += len(plan.not_placed)
+            self._spill_evicted(plan)
+            if not plan.keys:
+                continue
+            position = {key: start + i for i, key in enumerate(keys)}
+            job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
+            if self.remote:
+                self._puts[job_id] = _Put(list(plan.keys), self.num_workers, self.index.epoch)
+            self._step.stores.append(TransferJob(job_id, req_id,
+                                                 tuple(block_ids[position[k]] for k in plan.keys),
+                                                 tuple(plan.slots),
+                                                 tuple(plan.keys) if self.remote else (),
+                                                 pool=self.index.segment))
 
     def request_preempted(self, req_id: str) -> None:
         """The request's blocks were freed: its stores in flight must finish before the next

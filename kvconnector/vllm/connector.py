@@ -382,11 +382,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         core = self._core()
         for req_id in scheduler_output.preempted_req_ids or ():
             core.request_preempted(req_id)
+        stores = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests[req_id]
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            core.plan_stores(req_id, request.block_hashes, block_ids,
-                             request.num_computed_tokens + num_new)
+            stores.append((req_id, request.block_hashes,
+                           self._kv_cache_manager.get_block_ids(req_id)[0],
+                           request.num_computed_tokens + num_new))
+        core.plan_step_stores(stores)  # one call to the index for the whole step
         return OffloadConnectorMetadata(core.build_step())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -119,7 +119,7 @@ def test_a_block_larger_than_a_slot_is_refused_at_hello(pool: PoolProcess) -> No
 def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
     good = PoolClient(pool.name, [NS], 100)
     keys = NS.keys([b"g0"])
-    placed = good.request(protocol.PREPARE_STORE, keys)[0]
+    placed = good.request(protocol.PREPARE_STORES, [keys])[0][0]
     good.notify(protocol.COMPLETE_STORE, placed, [True])
     bad = socket.socket(socket.AF_UNIX)
     bad.connect(str(pool.path))

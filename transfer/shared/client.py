@@ -175,14 +175,17 @@ class SharedIndex:
         return hits
 
     def prepare_store(self, keys: Sequence[bytes]) -> StorePlan:
-        if not keys:
-            return StorePlan([], [], [], [])
-        answer = self._call(p.PREPARE_STORE, list(keys), default=None)
+        return self.prepare_stores([keys])[0]
+
+    def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]:
+        """`prepare_store` of each list, in one round trip; with no daemon nothing is placed."""
+        lists = [list(keys) for keys in key_lists]
+        answer = self._call(p.PREPARE_STORES, lists, default=None) if any(lists) else None
         if answer is None:
-            return StorePlan([], [], list(keys), [])
-        plan = StorePlan(*answer)
-        self._stats.evictions += len(plan.evicted)
-        return plan
+            return [StorePlan([], [], keys, []) for keys in lists]
+        plans = [StorePlan(*fields) for fields in answer]
+        self._stats.evictions += sum(len(plan.evicted) for plan in plans)
+        return plans
 
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
-PREPARE_STORE = "prepare_store"  # (keys) -> [placed keys, slots, not placed keys, evicted keys]
+PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: [placed, slots, not placed, evicted]
 PREPARE_LOAD = "prepare_load"  # (keys) -> slots, all pinned; None when one is not stored
 CHECKSUMS = "checksums"  # (keys) -> per key: the xxh3-64 taken at commit, or None
 STATS = "stats"  # () -> dict
@@ -28,7 +28,7 @@ COMPLETE_STORE = "complete_store"  # notice (keys, ok flags)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
-REQUESTS = (HELLO, LOOKUP, PREPARE_STORE, PREPARE_LOAD, CHECKSUMS, STATS)
+REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS)
 NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR)
 
 MAX_MESSAGE_BYTES = 64 << 20  # a step's keys are far smaller; a bigger message is an attack
