@@ -147,3 +147,10 @@ def test_pool_stats_cli(pool: PoolProcess, capsys: pytest.CaptureFixture[str]) -
     assert (stats["name"], stats["num_slots"], stats["slot_bytes"]) == (pool.name, 256, 65536)
     assert cli_main(["pool", "stats", "--name", "nonesuch"]) == 1
     assert "no pool daemon for 'nonesuch'" in capsys.readouterr().err
+
+
+def test_an_engine_started_without_its_daemon_is_told_which() -> None:
+    from transfer.shared.client import SharedIndex
+
+    with pytest.raises(PoolError, match="no pool daemon for 'absent' at .*pool-absent.sock"):
+        SharedIndex("absent", NS, 100)
