@@ -88,9 +88,10 @@ class SharedBlockIndex:
         """Pin every key and return their slots, or pin nothing and return None when one is not
         stored (evicted or removed since the client's lookup: the client's load fails)."""
         keys = self._own(client, keys)
-        if not all(self.index.contains(key) for key in keys):
+        try:
+            plan = self.index.prepare_load(keys)  # checks every key before it pins any
+        except ValueError:
             return None
-        plan = self.index.prepare_load(keys)
         self.leases[client].pins.update(keys)
         return plan.slots
 
