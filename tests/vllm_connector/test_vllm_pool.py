@@ -123,7 +123,9 @@ def test_the_remote_store_composes_below_the_pool(model_dir: str, pool: PoolProc
     with StoreProcess(tmp_path / "store.log", capacity="64MiB") as store, \
             PoolProcess(tmp_path / "pool2.log", f"w{uuid.uuid4().hex[:10]}", capacity="4MiB",
                         slot_bytes="16KiB") as other_host:
-        remote = {"remote_url": store.url, "remote_lookup_deadline_s": 0.2}
+        # A live store's answers are waited for: a busy runner must not turn a hit into a miss.
+        remote = {"remote_url": store.url, "remote_lookup_deadline_s": 30.0,
+                  "remote_timeout_s": 30.0}
         first = make_engine(model_dir, pool.name, **remote)
         prompt = make_prompt(7, 4 * BS + 2)
         run_to_completion(first, {"a": (prompt, 2)})  # into the pool, written through

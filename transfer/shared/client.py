@@ -4,7 +4,8 @@
 its process dies). `SharedIndex`: the block index the scheduler core uses in place of a private
 BlockIndex: the same verbs, answered by the daemon; when the daemon is gone it answers "nothing
 stored, no room" (requests are recomputed, stores skipped) and reconnects to a restarted daemon,
-at most once per `retry_s`.
+at most once per `retry_s`. A dead daemon is seen at once (the socket closes); `timeout_s` only
+bounds a hung one, generously: a busy host must not turn a slow answer into a lost lease.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PoolClient:
     `entry_bytes` of a slot (a lease)."""
 
     def __init__(self, name: str, namespaces: Sequence[Namespace | bytes], entry_bytes: int, *,
-                 timeout_s: float = 5.0, directory: Path | None = None) -> None:
+                 timeout_s: float = 30.0, directory: Path | None = None) -> None:
         self.path = p.socket_path(name, directory)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
@@ -96,7 +97,7 @@ class SharedIndex:
     """
 
     def __init__(self, name: str, namespace: Namespace, entry_bytes: int, *,
-                 timeout_s: float = 5.0, retry_s: float = 1.0,
+                 timeout_s: float = 30.0, retry_s: float = 1.0,
                  directory: Path | None = None) -> None:
         self.name = name
         self.namespace = namespace
