@@ -87,6 +87,11 @@ class ConnectorOptions:
             if options.remote_only:
                 raise ValueError("remote_only drops the host tier; 'pool' is one: give one of "
                                  "them")
+            if options.disk_path is not None:
+                # The disk tier writes each rank's slab from a private pool's slots; below a
+                # shared pool it needs its own slots (and a daemon-side writer): not yet.
+                raise ValueError("disk_path is not yet supported with 'pool' (a shared pool); "
+                                 "give one of them")
         for name in ("cpu_bytes", "max_store_bytes"):
             value = getattr(options, name)
             if name == "cpu_bytes" and value is None:

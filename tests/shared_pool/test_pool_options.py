@@ -18,6 +18,8 @@ def test_pool_replaces_cpu_bytes() -> None:
     ({"pool": "../etc"}, "pool name must be"),
     ({"pool": "node0", "remote_url": "tcp://127.0.0.1:5555", "remote_only": True},
      "remote_only drops the host tier"),
+    ({"pool": "node0", "disk_path": "/tmp/x", "disk_bytes": 1 << 30},
+     "disk_path is not yet supported with 'pool'"),
 ])
 def test_bad_pool_options_are_refused(extra: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
