@@ -183,7 +183,7 @@ class SharedIndex:
         lists = [list(keys) for keys in key_lists]
         answer = self._call(p.PREPARE_STORES, lists, default=None) if any(lists) else None
         if answer is None:
-            return [StorePlan([], [], keys, []) for keys in lists]
+            return [StorePlan([], [], keys, [], []) for keys in lists]
         plans = [StorePlan(*fields) for fields in answer]
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
         return plans

@@ -177,7 +177,8 @@ class PoolDaemon:
             return index.lookup(client.id, args[0])
         if verb == p.PREPARE_STORES:
             plans = [index.prepare_store(client.id, keys) for keys in args[0]]
-            return [[plan.keys, plan.slots, plan.not_placed, plan.evicted] for plan in plans]
+            return [[plan.keys, plan.slots, plan.not_placed, plan.evicted, plan.evicted_slots]
+                    for plan in plans]
         if verb == p.PREPARE_LOAD:
             return index.prepare_load(client.id, args[0])
         if verb == p.CHECKSUMS:

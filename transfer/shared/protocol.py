@@ -20,7 +20,7 @@ from pathlib import Path
 
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
-PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: [placed, slots, not placed, evicted]
+PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields, in order
 PREPARE_LOAD = "prepare_load"  # (keys) -> slots, all pinned; None when one is not stored
 CHECKSUMS = "checksums"  # (keys) -> per key: the xxh3-64 taken at commit, or None
 STATS = "stats"  # () -> dict
