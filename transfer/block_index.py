@@ -84,12 +84,15 @@ class _Entry:
 class BlockIndex:
     """Maps keys of one namespace to slots of a pool of `num_slots` blocks (see module doc).
 
+    `namespace` None: keys of any namespace (the shared host pool's daemon, which holds several
+    under one capacity and checks each client's namespaces itself).
+
     `policy` names the eviction policy, "lru" or "arc"; the instance is the `policy` attribute
     (read it, e.g. ARC's target_t1_size; only the index drives it). Verbs that change state refuse
     duplicate keys; every bad input raises ValueError naming the value before anything changes.
     """
 
-    def __init__(self, namespace: Namespace, num_slots: int, policy: str = "lru") -> None:
+    def __init__(self, namespace: Namespace | None, num_slots: int, policy: str = "lru") -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         if policy not in ("lru", "arc"):
@@ -97,7 +100,7 @@ class BlockIndex:
         self.namespace = namespace
         self.num_slots = num_slots
         self.policy: EvictionPolicy = LRUPolicy() if policy == "lru" else ARCPolicy(num_slots)
-        self._digest = namespace.digest
+        self._digest = None if namespace is None else namespace.digest
         self._entries: dict[bytes, _Entry] = {}  # live keys: stored or being stored
         self._draining: dict[bytes, _Entry] = {}  # removed while busy; slot freed when released
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
@@ -112,6 +115,11 @@ class BlockIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return self.contains(key)
+
+    # A private index lives as long as its pools: its slots always name the workers' own pools.
+    # The shared pool's client (transfer/shared/client.py) changes both when it reconnects.
+    epoch = 0  # bumped when the slots handed out before belong to an index that is gone
+    segment = ""  # the shared-memory segment the slots live in; "" for each worker's own pool
 
     @property
     def num_free(self) -> int:
@@ -136,6 +144,17 @@ class BlockIndex:
         """True when `key` is stored and readable."""
         entry = self._entries.get(self._checked(key))
         return entry is not None and not entry.storing
+
+    def held_keys(self) -> list[bytes]:
+        """Keys stored or being stored (draining keys excluded)."""
+        return list(self._entries)
+
+    def slot_of(self, key: bytes) -> int:
+        """The slot a key holds (stored, being stored or draining)."""
+        entry = self._entries.get(self._checked(key)) or self._draining.get(key)
+        if entry is None:
+            raise ValueError(f"key {key.hex()} holds no slot")
+        return entry.slot
 
     def is_being_stored(self, key: bytes) -> bool:
         """True while a store of `key` is in flight (a load of it must wait for complete_store)."""
@@ -196,6 +215,10 @@ class BlockIndex:
         self._stats.evictions += len(evicted)
         return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted,
                          evicted_slots)
+
+    def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]:
+        """`prepare_store` of each list in turn (one call per engine step)."""
+        return [self.prepare_store(keys) for keys in key_lists]
 
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
         """Finish stores begun by prepare_store: ok keys become readable, failed ones free their
@@ -296,6 +319,11 @@ class BlockIndex:
             self.policy.discard(key)
             self._drop(key)
 
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """`remove` the keys that are stored or being stored; the others are ignored."""
+        self.remove([key for key in dict.fromkeys(self._checked_keys(keys, unique=False))
+                     if key in self._entries])
+
     def clear(self) -> None:
         """Drop every key (reset_cache): idle slots are freed now, busy keys drain; the policy
         forgets its history. Counters are kept."""
@@ -319,7 +347,7 @@ class BlockIndex:
                 f"a key is bytes: a {DIGEST_BYTES}-byte namespace digest + a block hash, "
                 f"got {key!r}"
             )
-        if key[:DIGEST_BYTES] != self._digest:
+        if self._digest is not None and key[:DIGEST_BYTES] != self._digest:
             raise ValueError(f"key {key.hex()} is not of this index's namespace {self.namespace}")
         return key
 

@@ -74,8 +74,12 @@ class HostPool:
     def shared_name(self) -> str | None:
         return self.buffer.shared_name
 
-    def segments(self, gpu_chunks: Sequence[torch.Tensor]) -> list[Segment]:
+    def segments(self, gpu_chunks: Sequence[torch.Tensor], offset: int = 0,
+                 width: int | None = None) -> list[Segment]:
         """Pair GPU row tensors with the pool: chunk i fills the bytes after chunk i-1 in a slot.
+
+        The chunks fill bytes [offset, offset + width) of each slot (default: the whole slot); a
+        shared pool's slot holds one block of every rank of an engine, each rank its own part.
 
         Block-major cache: one chunk, (num_gpu_blocks, block_bytes). Fallback: one chunk per layer,
         (num_gpu_blocks, page_bytes), in layer order. Raises ValueError unless the chunks are 2-D
@@ -91,20 +95,26 @@ class HostPool:
                 raise ValueError(f"GPU chunk {i} has {c.shape[0]} rows on {c.device}; chunk 0 has "
                                  f"{first.shape[0]} on {first.device}")
         total = sum(int(c.shape[1]) for c in chunks)
-        if total != self.block_bytes:
+        width = self.block_bytes - offset if width is None else width
+        if offset < 0 or offset + width > self.block_bytes:
+            raise ValueError(f"bytes [{offset}, {offset + width}) of a slot: this pool's slots "
+                             f"hold {self.block_bytes} B")
+        if total != width:
             raise ValueError(f"the GPU chunks hold {total} B per block but this pool's slots hold "
-                             f"{self.block_bytes} B ({self.layout.describe()}): a pool of the "
+                             f"{width} B ({self.layout.describe()}): a pool of the "
                              f"wrong block size")
-        raw = self.buffer.raw
-        stride = self.slots.stride(0)
-        out, offset = [], 0
+        out = []
         for c in chunks:
-            width = int(c.shape[1])
-            host = torch.as_strided(raw, (self.num_slots, width), (stride, 1),
-                                    raw.storage_offset() + offset)
-            out.append(Segment(c, host))
-            offset += width
+            out.append(Segment(c, self.rows(offset, int(c.shape[1]))))
+            offset += int(c.shape[1])
         return out
+
+    def rows(self, offset: int = 0, width: int | None = None) -> torch.Tensor:
+        """(num_slots, width) uint8 view of bytes [offset, offset + width) of every slot."""
+        width = self.block_bytes - offset if width is None else width
+        raw = self.buffer.raw
+        return torch.as_strided(raw, (self.num_slots, width), (self.slots.stride(0), 1),
+                                raw.storage_offset() + offset)
 
     def close(self, unlink: bool = False) -> None:
         """Unpin and unmap; `unlink` also removes the shared-memory name (the creator does it)."""

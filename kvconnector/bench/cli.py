@@ -283,6 +283,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvconnector.bench.remote import measure_remote, remote_steps
     from kvconnector.bench.report import LAYOUT_LABELS
     from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
+    from kvconnector.bench.shared_pool import measure_shared, shared_steps
 
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
@@ -313,7 +314,8 @@ def _run(args: argparse.Namespace) -> int:
 
         # one unit per case layout (a ceiling round first), the last ceiling round, the remote
         # rows
-        units = len(plan) * len(LAYOUTS) + 1 + remote_steps(len(plan), securities)
+        units = (len(plan) * len(LAYOUTS) + 1 + remote_steps(len(plan), securities)
+                 + shared_steps(len(plan)))
         if redis_auth is not None:
             units += redis_steps(len(plan))
         with BenchProgress(err, units) as progress:
@@ -333,6 +335,7 @@ def _run(args: argparse.Namespace) -> int:
             finally:
                 meter.close()
             results = [run.as_dict(ceilings) for run in runs]
+            shared = measure_shared(plan, ceilings, device, args.repeats, progress.next)
             remote = measure_remote(plan, arenas.host, budget, args.repeats, progress.next,
                                     securities)
             redis = None if redis_auth is None else measure_redis(
@@ -360,6 +363,7 @@ def _run(args: argparse.Namespace) -> int:
             },
             "ceilings": ceilings.as_dict(),
             "cases": results,
+            "shared_pool": shared,
             "remote": remote,
         }
         if redis is not None:

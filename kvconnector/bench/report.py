@@ -62,8 +62,35 @@ def print_report(record: dict[str, Any], console: Any) -> None:
                 str(r["prefix_tokens"]), f"{r['prefix_ms']:.1f} ({r['prefix_ratio']:.2f})",
                 end_section=i == len(case["layouts"]) - 1)
     console.print(table)
+    _print_shared(record.get("shared_pool"), console)
     _print_remote(record.get("remote"), console)
     _print_redis(record.get("redis"), console)
+
+
+def _print_shared(shared: dict[str, Any] | None, console: Any) -> None:
+    """The shared pool rows: a writer process's blocks loaded into this process's cache."""
+    from rich.table import Table
+
+    if shared is None:
+        return
+    st = Table(title="shared host pool: blocks another process stored, loaded into this "
+                     "process's cache straight from the pool's slots",
+               caption="load GB/s (ratio of the same-run one-way ceiling); both: the writer "
+                       "storing while this process loads (ratio of the bidirectional ceiling); "
+                       "metadata us per block, client side: lookup + pin + unpin (load), "
+                       "allocate + commit (store)")
+    for col in ("case", "block", "blocks", "writer store", "load", "both", "load meta us",
+                "store meta us"):
+        st.add_column(col, justify="left" if col == "case" else "right")
+    for row in shared["rows"]:
+        if "error" in row:
+            st.add_row(row["case"], "", "", f"[red]failed: {row['error']}[/]", "", "", "", "")
+            continue
+        st.add_row(row["case"], format_bytes(row["block_bytes"]), str(row["blocks"]),
+                   f"{row['store_gbps']:.2f}", f"{row['load_gbps']:.2f} ({row['load_ratio']:.2f})",
+                   f"{row['bidir_gbps']:.2f} ({row['bidir_ratio']:.2f})",
+                   f"{row['load_meta_us']:.2f}", f"{row['store_meta_us']:.2f}")
+    console.print(st)
 
 
 def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:

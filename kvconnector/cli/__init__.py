@@ -9,6 +9,7 @@ import importlib
 _SUBCOMMANDS = {
     "backends": "kvconnector.cli.backends",
     "bench": "kvconnector.bench",
+    "pool": "kvconnector.cli.pool",
     "store": "kvconnector.cli.store",
 }
 

@@ -17,8 +17,9 @@ class TransferJob:
     With a remote tier: a store's `keys` are put to the store after the copy (write-through);
     a load's `keys` are fetched from the store into the last len(keys) slots before the copy.
     With a disk tier: a load's `disk_keys` are read from `disk_slots` into the slots before
-    those (after the blocks the pool holds). `fail`: the job cannot run (no slot for a fetch);
-    the worker reports it failed at once.
+    those (after the blocks the pool holds). `fail`: the job cannot run (no slot for a fetch,
+    no pin); the worker reports it failed at once. `pool`: the shared pool's segment the slots
+    belong to ("" for each worker's own pool).
     """
 
     job_id: int
@@ -29,6 +30,7 @@ class TransferJob:
     fail: bool = False
     disk_keys: tuple[bytes, ...] = ()
     disk_slots: tuple[int, ...] = ()
+    pool: str = ""
 
     @property
     def fetch_slots(self) -> tuple[int, ...]:

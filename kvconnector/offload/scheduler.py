@@ -25,6 +25,12 @@ CPU tier's hits (at most as many as the pool has slots to take now), the remote 
 those; a load reads them into slots reserved like fetches; blocks go to disk as the pool evicts
 them or, write-through, once stored (`StepJobs.spills`).
 
+With a shared pool (transfer/shared/: `index` a SharedIndex), the daemon's index answers: a
+lookup's hits may be evicted by another engine before the load pins them (the load then fails
+and vLLM recomputes), jobs carry the segment their slots live in, and a job planned on a
+connection that is gone (a restarted daemon) completes nothing in the new one (its lease went
+with the connection).
+
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
   returns True) until every worker has reported its stores done (`StepJobs.held`);
@@ -41,6 +47,7 @@ from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import Namespace
+from transfer.shared.client import SharedIndex
 
 
 @dataclass
@@ -77,6 +84,7 @@ class _Job:
     keys: list[bytes]
     start_block: int  # index in the request's block table of the first block
     pending: int  # workers yet to report
+    epoch: int  # the index's epoch when planned
     failed: bool = False
     fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a read or get
     disk_keys: list[bytes] = field(default_factory=list)  # load: read from disk (pinned there)
@@ -86,6 +94,7 @@ class _Job:
 class _Put:
     keys: list[bytes]
     pending: int  # workers yet to report the put
+    epoch: int
     finished: bool = False  # the store job is done
     pinned: bool = False  # the keys are pinned (the store succeeded)
 
@@ -112,19 +121,20 @@ class OffloadScheduler:
     """Plans the CPU tier's loads and stores for one engine (see module doc).
 
     `num_slots`: blocks in each worker's host pool; `num_workers`: workers that must report each
-    job (every rank of every parallel group); `policy`: the index eviction policy ("lru", "arc").
+    job (every rank of every parallel group); `policy`: the index eviction policy ("lru", "arc");
+    `index`: a shared pool's index in place of a private BlockIndex (num_slots, policy unused).
     """
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
                  policy: str = "lru", *, remote: bool = False, remote_only: bool = False,
-                 disk: DiskPlanner | None = None) -> None:
+                 disk: DiskPlanner | None = None, index: SharedIndex | None = None) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.namespace = namespace
         self.block_size = block_size
         self.num_workers = num_workers
-        self.index = BlockIndex(namespace, num_slots, policy)
+        self.index = index or BlockIndex(namespace, num_slots, policy)
         # remote: jobs carry keys (write-through puts, fetches); remote_only: the pool is only
         # staging, every key leaves the index once its job is done.
         self.remote = remote or remote_only
@@ -154,7 +164,7 @@ class OffloadScheduler:
         start = num_computed_tokens // self.block_size
         end = min(len(block_hashes), num_tokens // self.block_size)
         keys = self.namespace.keys(list(block_hashes[start:end]))
-        hits = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
+        hits = self.index.lookup_prefix(keys)
         lookup = self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
         if self.disk is not None:  # room: slots to read into, past the hits the load pins
             lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
@@ -208,7 +218,10 @@ class OffloadScheduler:
                              f"needs {start + hit_blocks}")
         keys = self.namespace.keys(list(block_hashes[start:start + cpu_blocks]))
         plan = self.index.prepare_load(keys)
-        slots, fail, disk_slots = list(plan.slots), False, []
+        if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
+            keys, disk_keys, fetch_keys = [], [], []
+        slots, fail = ([], True) if plan is None else (list(plan.slots), False)
+        disk_slots = []
         if disk_keys or fetch_keys:
             # Read and fetched blocks land in slots reserved as stores: nothing else reads or
             # evicts them until the job ends, and a good one stays in the CPU tier.
@@ -227,32 +240,46 @@ class OffloadScheduler:
         destination = tuple(block_ids[start:start + hit_blocks])
         self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(slots),
                                             tuple(fetch_keys), fail, tuple(disk_keys),
-                                            tuple(disk_slots)))
+                                            tuple(disk_slots), self.index.segment))
         return cpu_blocks, disk_blocks, remote_blocks
 
     def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
                     num_ready_tokens: int) -> None:
         """Store the request's full blocks whose KV is complete once `num_ready_tokens` are
         computed and that the tier lacks; each block is considered once per request life."""
-        state = self._requests.setdefault(req_id, _Request())
-        ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
-        if ready <= state.stored_upto:
+        self.plan_step_stores([(req_id, block_hashes, block_ids, num_ready_tokens)])
+
+    def plan_step_stores(self, requests: Sequence[tuple[str, Sequence[bytes], Sequence[int],
+                                                        int]]) -> None:
+        """`plan_stores` for each (request, hashes, block ids, ready tokens) of a step, with one
+        call to the index for all of them (one round trip to a shared pool's daemon)."""
+        wanted = []
+        for req_id, block_hashes, block_ids, num_ready_tokens in requests:
+            state = self._requests.setdefault(req_id, _Request())
+            ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
+            if ready <= state.stored_upto:
+                continue
+            start, state.stored_upto = state.stored_upto, ready
+            keys = self.namespace.keys(list(block_hashes[start:ready]))
+            wanted.append((req_id, state, block_ids, start, keys))
+        if not wanted:
             return
-        start, state.stored_upto = state.stored_upto, ready
-        keys = self.namespace.keys(list(block_hashes[start:ready]))
-        plan = self.index.prepare_store(keys)  # skips keys stored or being stored
-        self._counters.unplaced_blocks += len(plan.not_placed)
-        self._spill_evicted(plan)
-        if not plan.keys:
-            return
-        position = {key: start + i for i, key in enumerate(keys)}
-        job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
-        if self.remote:
-            self._puts[job_id] = _Put(list(plan.keys), self.num_workers)
-        self._step.stores.append(TransferJob(job_id, req_id,
-                                             tuple(block_ids[position[k]] for k in plan.keys),
-                                             tuple(plan.slots),
-                                             tuple(plan.keys) if self.remote else ()))
+        # Skips keys stored or being stored (by an earlier request of the batch too).
+        plans = self.index.prepare_stores([keys for *_, keys in wanted])
+        for (req_id, state, block_ids, start, keys), plan in zip(wanted, plans, strict=True):
+            self._counters.unplaced_blocks += len(plan.not_placed)
+            self._spill_evicted(plan)
+            if not plan.keys:
+                continue
+            position = {key: start + i for i, key in enumerate(keys)}
+            job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
+            if self.remote:
+                self._puts[job_id] = _Put(list(plan.keys), self.num_workers, self.index.epoch)
+            self._step.stores.append(TransferJob(job_id, req_id,
+                                                 tuple(block_ids[position[k]] for k in plan.keys),
+                                                 tuple(plan.slots),
+                                                 tuple(plan.keys) if self.remote else (),
+                                                 pool=self.index.segment))
 
     def request_preempted(self, req_id: str) -> None:
         """The request's blocks were freed: its stores in flight must finish before the next
@@ -336,42 +363,45 @@ class OffloadScheduler:
         if not put.finished or put.pending:
             return
         del self._puts[job_id]
-        if put.pinned:
+        if put.pinned and put.epoch == self.index.epoch:
             self.index.complete_load(put.keys)
             if self.remote_only:  # the store has them; the pool was staging
-                self.index.remove([k for k in put.keys if self.index.contains(k)])
+                self.index.discard(put.keys)
 
     def _finish(self, job_id: int) -> None:
         job = self._jobs.pop(job_id)
         state = self._requests[job.req_id]
         state.jobs.discard(job_id)
+        live = job.epoch == self.index.epoch  # else its lease went with an old connection
         if job.is_store:
-            self.index.complete_store(job.keys, not job.failed)
+            if live:
+                self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
-            if not job.failed and self.disk is not None and self.disk.write_through:
+            if not job.failed and live and self.disk is not None and self.disk.write_through:
                 slots = self.index.prepare_load(job.keys).slots  # pinned while written
                 written = self._spill(job.keys, slots, pinned=True)
                 if len(written) < len(job.keys):
                     self.index.complete_load([k for k in job.keys if k not in written])
             put = self._puts.get(job_id)
             if put is not None:
-                if not job.failed:  # readable at once, pinned until every put is done
-                    self.index.prepare_load(job.keys)
-                    put.pinned = True
+                if not job.failed and live:  # readable at once, pinned until every put is done
+                    put.pinned = self.index.prepare_load(job.keys) is not None
                 put.finished = True
                 self._settle_put(job_id)
         else:
-            self.index.complete_load(job.keys)
-            if job.fetch_keys:
-                self.index.complete_store(job.fetch_keys, not job.failed and not self.remote_only)
+            if live:
+                self.index.complete_load(job.keys)
+                if job.fetch_keys:
+                    self.index.complete_store(job.fetch_keys,
+                                              not job.failed and not self.remote_only)
             if job.disk_keys:
                 self.disk.finish_load(job_id, job.disk_keys)
             if job.failed:
                 # The slots may hold bad bytes: drop the keys so the recomputed blocks are
                 # stored again, and store this request's blocks again from the failed load on.
                 self._counters.failed_loads += 1
-                self.index.remove([k for k in job.keys
-                                   if self.index.contains(k) or self.index.is_being_stored(k)])
+                if live:
+                    self.index.discard(job.keys)
                 state.stored_upto = min(state.stored_upto, job.start_block)
         self._forget_if_idle(job.req_id)
 
@@ -415,6 +445,7 @@ class OffloadScheduler:
                  start_block: int) -> int:
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = _Job(req_id, is_store, keys, start_block, self.num_workers)
+        self._jobs[job_id] = _Job(req_id, is_store, keys, start_block, self.num_workers,
+                                  self.index.epoch)
         state.jobs.add(job_id)
         return job_id

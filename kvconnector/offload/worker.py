@@ -8,6 +8,10 @@ hands over, finds what lies behind them (kvconnector.layout.recognize) and moves
   fallback, one copy per layer (per run of a page) per block, into the same slot format.
 `mode` and `reason` say which and why.
 
+With a shared pool (`shared`, transfer/shared/): no private pool; the worker maps the segment
+its jobs name (at the first job, and again when a restarted daemon names a new one, after
+finishing every job on the old mapping) and copies into its part of each slot.
+
 Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
 the work the compute stream had queued), then `poll` and `take_report`.
@@ -19,7 +23,7 @@ a load's read whose pool slots a spill still reads out waits for it here, never 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
@@ -35,6 +39,7 @@ from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.keys import DIGEST_BYTES
 from transfer.pool import HostPool
 from transfer.remote.backend import TransferResult as StoreResult
+from transfer.shared.mapping import SharedPart
 
 BLOCK_MAJOR = "block-major"
 PER_LAYER = "per-layer"
@@ -54,6 +59,12 @@ class TransferEvents:
     failed_block_ids: set[int] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
 
+    def update(self, other: TransferEvents) -> None:
+        self.finished_loads |= other.finished_loads
+        self.failed_loads |= other.failed_loads
+        self.failed_block_ids |= other.failed_block_ids
+        self.finished_sending |= other.finished_sending
+
 
 class OffloadWorker:
     """Executes StepJobs against this worker's KV cache (see module doc).
@@ -62,14 +73,15 @@ class OffloadWorker:
     gets); `num_slots`: host pool blocks, the scheduler's index size; `cache_groups` and
     `num_blocks` as for `recognize`; `backend`: the copy backend (default: make_backend("auto"):
     on CUDA batched DMA with small-page loads on 12 SMs, threads on CPU); `pinned`: pin the
-    pool (default: when CUDA is available).
+    pool (default: when CUDA is available); `shared`: this worker's part of a shared pool's slots
+    (then `num_slots` is unused: the daemon's segment says).
     """
 
     def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int, *,
                  cache_groups: Sequence[Sequence[str]] | None = None,
                  num_blocks: int | None = None, backend: CopyBackend | None = None,
                  max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
-                 pinned: bool | None = None) -> None:
+                 pinned: bool | None = None, shared: SharedPart | None = None) -> None:
         found = recognize(kv_caches, cache_groups, num_blocks)
         if not found.layers:
             raise ValueError(f"no KV cache layer to offload: {found.reason}")
@@ -82,14 +94,13 @@ class OffloadWorker:
         self.num_blocks = found.num_blocks
         self.block_bytes = sum(int(rows.shape[1]) for rows in gpu_rows)
         self.copies_per_block = len(gpu_rows)
-        self.pool = HostPool.create(_byte_layout(self.block_bytes), num_slots=num_slots,
-                                    pinned=pinned)
-        try:
-            self.engine = TransferEngine(self.pool.segments(gpu_rows), backend,
-                                         max_store_bytes=max_store_bytes)
-        except BaseException:
-            self.pool.close()
-            raise
+        self.shared = shared
+        self._gpu_rows, self._backend, self._pinned = gpu_rows, backend, pinned
+        self._max_store_bytes = max_store_bytes
+        self.pool: HostPool | None = None
+        self.engine: TransferEngine | None = None
+        self._make_fetcher: Callable[[torch.Tensor], RemoteFetcher] | None = None
+        self._stash = TransferEvents()  # events of a mapping let go, for the next poll
         self._loads: dict[int, tuple[str, tuple[int, ...]]] = {}  # job -> request, GPU blocks
         self._stores: dict[int, str] = {}  # job -> request
         self._held: set[str] = set()
@@ -106,10 +117,17 @@ class OffloadWorker:
         self._doomed: list[TransferJob] = []
         self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
         self.remote_failures = 0  # jobs whose get or put failed (or could not run)
+        if shared is None:
+            self._bind(HostPool.create(_byte_layout(self.block_bytes), num_slots=num_slots,
+                                       pinned=pinned))
 
-    def attach_remote(self, fetcher: RemoteFetcher) -> None:
-        """Use a remote store as the second tier (its client reads and writes `pool.slots`)."""
-        self.remote = fetcher
+    def attach_remote(self, make_fetcher: Callable[[torch.Tensor], RemoteFetcher]) -> None:
+        """Use a remote store as the second tier; `make_fetcher(rows)` makes its client over
+        this worker's (num_slots, block_bytes) slot rows (again for each shared mapping)."""
+        self._make_fetcher = make_fetcher
+        if self.pool is not None:
+            offset = 0 if self.shared is None else self.shared.offset
+            self.remote = make_fetcher(self.pool.rows(offset, self.block_bytes))
 
     def attach_disk(self, io: DiskIO, namespace_digest: bytes) -> None:
         """Use a disk tier below the pool (`io` moves blocks between `pool.slots` and this
@@ -123,21 +141,59 @@ class OffloadWorker:
     def describe(self, advise: bool = True) -> str:
         """One line: how blocks move and why; without `advise`, no advice to ask for a
         block-outermost layout (for a caller that did, or knows the engine refuses them)."""
-        memory = "pinned" if self.pool.pinned else "pageable"
         copies = "1 copy" if self.copies_per_block == 1 else f"{self.copies_per_block} copies"
-        how = (f"{self.mode}: {copies} per block; "
-               f"{self.pool.num_slots} {memory} host slots of {self.block_bytes} B")
+        if self.shared is not None:
+            where = (f"shared pool {self.shared.name!r}, bytes [{self.shared.offset}, "
+                     f"{self.shared.offset + self.block_bytes}) of each slot")
+        else:
+            memory = "pinned" if self.pool.pinned else "pageable"
+            where = f"{self.pool.num_slots} {memory} host slots of {self.block_bytes} B"
+        how = f"{self.mode}: {copies} per block; {where}"
         if self.reason is None:
             return how
         reason = self.reason if advise else self.reason.removesuffix(f"; {BLOCK_MAJOR_HINT}")
         return f"{how} ({reason})"
+
+    # ---- the pool's mapping ------------------------------------------------------------------
+
+    def _bind(self, pool: HostPool) -> None:
+        offset = 0 if self.shared is None else self.shared.offset
+        try:
+            engine = TransferEngine(pool.segments(self._gpu_rows, offset, self.block_bytes),
+                                    self._backend, max_store_bytes=self._max_store_bytes)
+        except BaseException:
+            pool.close()
+            raise
+        self.pool, self.engine = pool, engine
+        if self._make_fetcher is not None:
+            self.remote = self._make_fetcher(pool.rows(offset, self.block_bytes))
+
+    def _mapped(self, job: TransferJob) -> bool:
+        """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
+        if self.shared is None or (self.pool is not None and job.pool == self.pool.shared_name):
+            return True
+        try:
+            pool = self.shared.map(job.pool, self._pinned)
+        except ValueError:
+            return False  # the daemon that planned it is gone with its segment
+        if self.engine is not None:  # finish everything on the old mapping, then let it go
+            while self.jobs_in_flight:
+                self.drain()
+                self._stash.update(self.poll())
+            self.engine.close()
+            if self.remote is not None:
+                self.remote.close()
+                self.remote = None
+            self.pool.close()
+        self._bind(pool)
+        return True
 
     # ---- the step ----------------------------------------------------------------------------
 
     def flush(self, step: StepJobs) -> None:
         """Before the forward: wait for the stores reading blocks a preemption freed (and for
         the spills such a store waits behind)."""
-        if not step.flush:
+        if not step.flush or self.engine is None:
             return
         flush = set(step.flush)
         if any(is_store and job.job_id in flush for is_store, job in self._waiting):
@@ -152,7 +208,9 @@ class OffloadWorker:
         for write in step.spills:
             self._spill(write)
         for job in step.loads:
-            if self._behind_spills(job.fetch_slots):
+            if not self._mapped(job):  # its shared segment is gone: a failed load
+                self._doomed.append(job)
+            elif self._behind_spills(job.fetch_slots):
                 self._waiting.append((False, job))
             else:
                 self._start_load(job)
@@ -190,6 +248,9 @@ class OffloadWorker:
         """After the forward: each store copies after the work queued on the compute stream.
         A store the engine drops under pressure is reported failed, like a failed copy."""
         for job in step.stores:
+            if not self._mapped(job):  # its shared segment is gone: a failed store
+                self._report.failed[job.job_id] = 1
+                continue
             self._stores[job.job_id] = job.req_id
             if self._behind_spills(job.slots):
                 self._waiting.append((True, job))
@@ -227,10 +288,10 @@ class OffloadWorker:
 
     def poll(self) -> TransferEvents:
         """Collect finished jobs (never blocks)."""
-        events = TransferEvents()
+        events, self._stash = self._stash, TransferEvents()
         report = self._report
         self._poll_disk()
-        for result in self.engine.get_finished():
+        for result in ([] if self.engine is None else self.engine.get_finished()):
             # A partly fetched load copied its good head; its tail failed in the store.
             tail = self._partial.pop(result.job_id, ())
             (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
@@ -340,7 +401,8 @@ class OffloadWorker:
                 [f for f, _ in self._putting.values()]:
             with contextlib.suppress(CancelledError):
                 future.exception()  # waits; store calls are bounded by their deadline
-        self.engine.wait()
+        if self.engine is not None:
+            self.engine.wait()
 
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
@@ -352,12 +414,14 @@ class OffloadWorker:
         """Finish the copies and store calls in flight, then release the lanes, the store
         connection and the pool."""
         self.drain()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.remote is not None:
             self.remote.close()
         if self.disk is not None:
             self.disk.close()
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def _rows(pages: torch.Tensor) -> list[torch.Tensor]:

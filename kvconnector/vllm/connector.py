@@ -16,12 +16,18 @@ With `disk_path` and `disk_bytes`, a local drive is a tier between the pool and 
 (kvconnector/offload/disk_tier.py, transfer/disk): O_DIRECT slabs, one per rank, found again
 after a restart; its hits are reported as CacheHitSource.DISK.
 
+With `pool`, the host's shared pool (transfer.shared, `kvconnector pool serve`) replaces the
+private one: the scheduler's index is the daemon's, each worker maps the daemon's segment and
+copies into its rank's part of each slot; the remote tier composes below it as below a private
+pool.
+
 Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
 0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +69,8 @@ from transfer.copy.base import CopyBackend
 from transfer.copy.factory import make_backend
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import SlabFile
+from transfer.shared.client import SharedIndex
+from transfer.shared.mapping import SharedPart
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,8 +134,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         # stages differ (62 layers / 4 -> 15, 16, 16, 15), so size slots by the largest stage.
         slot_layers = max(num_layers, _largest_pp_stage(vllm_config))
         slot_bytes = round_up(spec.page_size_bytes * slot_layers, HOST_ALIGNMENT)
-        self._num_slots = self.options.cpu_bytes // slot_bytes
-        if self._num_slots == 0:
+        self._slot_bytes = slot_bytes
+        self._num_slots = 0 if self.options.pool else self.options.cpu_bytes // slot_bytes
+        if self._num_slots == 0 and not self.options.pool:
             raise ValueError(f"cpu_bytes {self.options.cpu_bytes} holds no block of "
                              f"{slot_bytes} B")
         self._layout_request = layout_request(vllm_config, self.options)
@@ -135,6 +144,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
         self._load_errors: set[int] = set()
+        self._pool_index: SharedIndex | None = None
         self._remote = self.options.remote()
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
@@ -147,12 +157,23 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             if self._num_disk_slots == 0:
                 raise ValueError(f"disk_bytes {self._disk.num_bytes} holds no block of "
                                  f"{slot_bytes} B (and its 4 KiB footer)")
+        if self.options.pool:
+            # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
+            # with other PP sizes place ranks differently, so they get keys of their own.
+            self._namespace = dataclasses.replace(
+                self._namespace,
+                salt=f"{self._namespace.salt}/pool:{parallel.world_size}x{slot_bytes}")
         if role == KVConnectorRole.SCHEDULER:
             remote = self._remote is not None
+            index = self._pool_index = None
+            if self.options.pool:
+                index = self._pool_index = SharedIndex(self.options.pool, self._namespace,
+                                    slot_bytes * parallel.world_size)
             self._scheduler = OffloadScheduler(
-                self._namespace, self._num_slots, spec.block_size, parallel.world_size,
-                self.options.eviction, remote=remote,
-                remote_only=remote and self._remote.only, disk=self._disk_planner())
+                self._namespace, index.num_slots if index else self._num_slots,
+                spec.block_size, parallel.world_size, self.options.eviction, remote=remote,
+                remote_only=remote and self._remote.only, disk=self._disk_planner(),
+                index=index)
             if self._remote is not None:
                 self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
 
@@ -198,12 +219,15 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             kv_caches, self._num_slots, cache_groups=[g.layer_names for g in
                                                       config.kv_cache_groups],
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
-            max_store_bytes=self.options.max_store_bytes)
+            max_store_bytes=self.options.max_store_bytes,
+            shared=None if not self.options.pool else SharedPart(
+                self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes))
         if self._remote is not None:
             namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
                                                self._vllm_config.parallel_config)
-            self._worker.attach_remote(RemoteFetcher(self._remote, namespace.digest,
-                                                     self._worker.pool.slots, writes=writes))
+            remote = self._remote
+            self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,
+                                                                  writes=writes))
         if self._disk is not None:
             parallel = self._vllm_config.parallel_config
             digest = disk_namespace(self._namespace, parallel.rank,
@@ -277,6 +301,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         if self._remote_lookups is not None:
             self._remote_lookups.close()
             self._remote_lookups = None
+        if self._pool_index is not None:
+            self._pool_index.close()  # the daemon releases what this engine still holds
+            self._pool_index = None
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -326,11 +353,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         core = self._core()
         for req_id in scheduler_output.preempted_req_ids or ():
             core.request_preempted(req_id)
+        stores = []
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self._requests[req_id]
-            block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-            core.plan_stores(req_id, request.block_hashes, block_ids,
-                             request.num_computed_tokens + num_new)
+            stores.append((req_id, request.block_hashes,
+                           self._kv_cache_manager.get_block_ids(req_id)[0],
+                           request.num_computed_tokens + num_new))
+        core.plan_step_stores(stores)  # one call to the index for the whole step
         return OffloadConnectorMetadata(core.build_step())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

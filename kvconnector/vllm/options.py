@@ -15,6 +15,7 @@ from kvconnector.offload.remote_tier import (
 )
 from transfer.copy.factory import BACKENDS
 from transfer.engine import DEFAULT_MAX_STORE_BYTES
+from transfer.shared.protocol import check_name
 
 LAYOUT_CHOICES = ("auto", "engine", *BLOCK_MAJOR_ORDERS)
 EVICTION_CHOICES = ("lru", "arc")
@@ -24,7 +25,10 @@ EVICTION_CHOICES = ("lru", "arc")
 class ConnectorOptions:
     """`kv_connector_extra_config`, checked. Unknown keys are refused (a typo would be silent).
 
-    cpu_bytes: host pool bytes per worker (per GPU), required; slots = cpu_bytes // block bytes.
+    cpu_bytes: host pool bytes per worker (per GPU); slots = cpu_bytes // block bytes.
+    pool: instead of cpu_bytes, the name of the host's shared pool (`kvconnector pool serve`):
+    every rank of every engine on the host stores into and loads from its slots (exactly one of
+    cpu_bytes and pool is required).
     eviction: "lru" or "arc". layout: "auto" (a block-outermost layout the attention backend
     accepts), a block-outermost name, or "engine" (keep vLLM's default: the per-layer path).
     copy_backend: "auto" (on CUDA batched DMA, loads of pages under 28 KiB on 12 SMs), "dma",
@@ -44,7 +48,8 @@ class ConnectorOptions:
     as the pool evicts them) or "through" (every block stored in the pool also goes to disk).
     """
 
-    cpu_bytes: int
+    cpu_bytes: int | None = None
+    pool: str | None = None
     eviction: str = "lru"
     layout: str = "auto"
     copy_backend: str = "auto"
@@ -71,12 +76,26 @@ class ConnectorOptions:
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: "
                              f"{sorted(known)}")
-        if "cpu_bytes" not in extra:
-            raise ValueError("kv_connector_extra_config needs 'cpu_bytes': host pool bytes per "
-                             "worker, e.g. 68719476736 for 64 GiB")
+        if ("cpu_bytes" in extra) == ("pool" in extra):
+            raise ValueError("kv_connector_extra_config needs exactly one of 'cpu_bytes' (host "
+                             "pool bytes per worker, e.g. 68719476736 for 64 GiB) and 'pool' "
+                             f"(a shared pool's name), got {extra.get('cpu_bytes')!r} and "
+                             f"{extra.get('pool')!r}")
         options = cls(**extra)
+        if options.pool is not None:
+            check_name(options.pool)
+            if options.remote_only:
+                raise ValueError("remote_only drops the host tier; 'pool' is one: give one of "
+                                 "them")
+            if options.disk_path is not None:
+                # The disk tier writes each rank's slab from a private pool's slots; below a
+                # shared pool it needs its own slots (and a daemon-side writer): not yet.
+                raise ValueError("disk_path is not yet supported with 'pool' (a shared pool); "
+                                 "give one of them")
         for name in ("cpu_bytes", "max_store_bytes"):
             value = getattr(options, name)
+            if name == "cpu_bytes" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer of bytes, got {value!r}")
         for name, choices in (("eviction", EVICTION_CHOICES), ("layout", LAYOUT_CHOICES),

@@ -45,17 +45,19 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert "llama-3.1-70b-tp8 bf16" in out and "llama-3.1-70b-tp8 fp8" in out
     assert "best of 5 rounds" in out  # how the ceilings were taken, printed
 
-    # not a terminal: a line per unit (2 cases x 2 layouts, the last ceiling round, 2 cases x
-    # 2 remote modes), numbered, with the time so far and an estimate of the time left
+    # not a terminal: a line per unit (2 cases x 2 layouts, the last ceiling round, 2 cases of
+    # the shared pool, 2 cases x 2 remote modes), numbered, with the time so far and an estimate
+    # of the time left
     lines = err.splitlines()
-    units = [re.fullmatch(r"\[(\d+)/9\] (.+) \((\d+:\d\d) so far, "
+    units = [re.fullmatch(r"\[(\d+)/11\] (.+) \((\d+:\d\d) so far, "
                           r"(estimating|about \d+:\d\d left)\)", line) for line in lines[:-1]]
     assert all(units), lines
-    assert [int(m.group(1)) for m in units] == list(range(1, 10))
-    assert [m.group(2) for m in units][:5] == [
+    assert [int(m.group(1)) for m in units] == list(range(1, 12))
+    assert [m.group(2) for m in units][:7] == [
         "llama-3.1-70b-tp8 bf16 block-major", "llama-3.1-70b-tp8 bf16 layer-major",
         "llama-3.1-70b-tp8 fp8 block-major", "llama-3.1-70b-tp8 fp8 layer-major",
-        "ceilings: last round"]
+        "ceilings: last round", "llama-3.1-70b-tp8 bf16: shared pool",
+        "llama-3.1-70b-tp8 fp8: shared pool"]
     assert units[0].group(4) == "estimating" and units[1].group(4).startswith("about")
     assert re.fullmatch(r"done in \d+:\d\d", lines[-1])
 
@@ -87,6 +89,13 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert case["layouts"]["block_major"]["copies_per_job"] == 8
     assert record["meta"]["device_type"] == "cpu"
     assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-70b-tp8")
+    shared = record["shared_pool"]["rows"]
+    assert [row["case"] for row in shared] == [c["case"]["name"] for c in record["cases"]]
+    for row in shared:  # a writer process's blocks, loaded here and compared byte for byte
+        assert "error" not in row, row
+        assert row["blocks"] >= 1 and row["load_gbps"] > 0 and row["bidir_gbps"] > 0
+        assert row["load_ratio"] > 0 and row["load_meta_us"] > 0 and row["store_meta_us"] > 0
+    assert "shared host pool" in out
     remote = record["remote"]
     assert [(row["case"], row["security"]) for row in remote["rows"]] == [
         (f"llama-3.1-70b-tp8 {d}", mode) for d in ("bf16", "fp8") for mode in ("none", "secret")]

@@ -265,3 +265,19 @@ def test_arc_policy_is_accepted() -> None:
     core = make(num_slots=2, policy="arc")
     store_all(core, "a", hashes("a", 2), [1, 2])
     assert core.lookup("b", hashes("a", 2), 0, 100) == 2 * BS
+
+
+def test_a_steps_stores_are_planned_with_one_index_call() -> None:
+    core = make(num_slots=3)
+    calls = []
+    prepare_stores = core.index.prepare_stores
+    core.index.prepare_stores = lambda lists: calls.append(lists) or prepare_stores(lists)
+    # b shares a's first block (being stored by a's job: skipped) and needs two more slots,
+    # of which one is left.
+    core.plan_step_stores([("a", [b"x0", b"x1"], [1, 2], 2 * BS),
+                           ("b", [b"x0", b"y1", b"y2"], [3, 4, 5], 3 * BS),
+                           ("c", [b"z0"], [6], BS - 1)])  # no full block yet
+    assert len(calls) == 1 and [len(keys) for keys in calls[0]] == [2, 3]
+    step = core.build_step()
+    assert [(j.req_id, j.block_ids) for j in step.stores] == [("a", (1, 2)), ("b", (4,))]
+    assert core.take_counters().unplaced_blocks == 1

@@ -152,7 +152,7 @@ def make_worker(url: str, writes: bool = True) -> tuple[OffloadWorker, dict[str,
                       dtype=torch.bfloat16, order="BLNHC")
     caches = {f"l{i}": v for i, v in enumerate(allocate(layout, num_blocks=8).layer_views())}
     worker = OffloadWorker(caches, 4, backend=ThreadBackend())
-    worker.attach_remote(RemoteFetcher(settings(url), NS.digest, worker.pool.slots, writes))
+    worker.attach_remote(lambda rows: RemoteFetcher(settings(url), NS.digest, rows, writes))
     return worker, caches
 
 

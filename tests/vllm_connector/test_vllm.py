@@ -99,7 +99,7 @@ def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({}, "needs 'cpu_bytes'"),
+    ({}, "needs exactly one of 'cpu_bytes'"),
     ({"cpu_bytes": 1, "cpu_gb": 2}, "unknown kv_connector_extra_config key"),
     ({"cpu_bytes": -5}, "cpu_bytes must be a positive integer"),
     ({"cpu_bytes": 1.5}, "cpu_bytes must be a positive integer"),

@@ -129,12 +129,11 @@ class Engine:
 
     @classmethod
     def shutdown_all(cls) -> None:
-        """Close remote lookup clients, release every held copy, then shut the workers'
-        connectors down (lanes, pools)."""
+        """Shut the scheduler-side connectors down (remote lookups, shared pool connections),
+        release every held copy, then shut the workers' connectors down (lanes, pools)."""
         while cls.live:
             engine = cls.live.pop()
-            if engine.connector._remote_lookups is not None:
-                engine.connector._remote_lookups.close()
+            engine.connector.shutdown()  # remote lookups, shared pool connection
             for gate in engine.gates:
                 for event in gate.hold.values():
                     event.set()
@@ -227,7 +226,7 @@ class Engine:
         core = self.connector._scheduler
         assert not core.has_jobs() and not core._requests
         assert not self.connector._requests
-        assert core.index.num_draining == 0
+        assert core.index.segment or core.index.num_draining == 0  # a shared pool's: daemon's
         for worker in self.workers:
             assert worker.connector._worker.jobs_in_flight == 0
 

@@ -1,0 +1,80 @@
+"""The shared host pool on one GPU: two processes, each its own cache, one pool between them.
+
+A `kvconnector pool serve` daemon owns the pool; a writer process stores n random blocks from
+its GPU cache into the pool's slots by DMA; this process loads them into its own GPU cache by
+DMA, straight from the shared slots, and compares every byte. Reported against same-run
+ceilings (kvconnector.bench.ceilings: one 2 GiB pinned memcpy each way, two at once): the load
+(>= 2 MiB blocks, one-way ceiling), both directions at once (the writer storing a second set
+while this process loads, bidirectional ceiling), and the metadata cost per block (lookup + pin
++ unpin; allocate + commit) on the client side, in microseconds, per block of a batch of n.
+
+    python benchmarks/bench_shared_pool.py [--block-sizes 2MiB,4MiB] [--repeats 5] [--json PATH]
+
+On a CPU the same runs host to host (memory bandwidth, not PCIe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from kvconnector.bench.ceilings import CeilingMeter
+from kvconnector.bench.runner import allocate_arenas
+from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
+from kvconnector.cli.units import parse_size
+from kvconnector.layout.allocator import shm_free_bytes
+from transfer.shared.daemon import slot_layout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-sizes", default="2MiB,4MiB",
+                        help="comma-separated block sizes (default 2MiB,4MiB)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed loads per size (median)")
+    parser.add_argument("--json", type=Path, help="write the record here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    arenas = allocate_arenas((4 << 30) if device.type == "cuda" else (256 << 20), device)
+    try:
+        meter = CeilingMeter(arenas.device, arenas.host, args.repeats)
+        try:
+            meter.measure()
+            ceilings = meter.best("one round before the pool runs")
+        finally:
+            meter.close()
+    finally:
+        arenas.close()
+    print(f"ceilings ({ceilings.copy_bytes >> 20} MiB copies): load {ceilings.h2d_gbps:.2f} "
+          f"GB/s, store {ceilings.d2h_gbps:.2f} GB/s, both {ceilings.bidir_gbps:.2f} GB/s")
+    rows = []
+    for size in (parse_size(s) for s in args.block_sizes.split(",")):
+        stride = slot_layout(size).block_stride_bytes
+        n = min(SHARED_MAX_BYTES[device.type] // size, int(shm_free_bytes() * 0.8) // (3 * stride))
+        if n < 1:
+            raise SystemExit(f"/dev/shm has {shm_free_bytes() >> 20} MiB free: no room for "
+                             f"three sets of {size} B blocks (docker: --shm-size)")
+        row = measure_one(size, n, device, args.repeats)
+        row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
+        row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
+        rows.append(row)
+        print(f"block {size >> 10} KiB x {n}: load {row['load_gbps']:.2f} GB/s "
+              f"({row['load_ratio']:.3f} of the one-way ceiling); both at once "
+              f"{row['bidir_gbps']:.2f} GB/s ({row['bidir_ratio']:.3f} of bidirectional); "
+              f"writer store {row['store_gbps']:.2f} GB/s; metadata per block: load "
+              f"{row['load_meta_us']:.2f} us, store {row['store_meta_us']:.2f} us", flush=True)
+    if args.json is not None:
+        record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "host": platform.node(), "device": torch.cuda.get_device_name(0)
+                  if device.type == "cuda" else platform.processor() or "cpu",
+                  "ceilings": ceilings.as_dict(), "rows": rows}
+        args.json.write_text(json.dumps(record, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""The shared host pool: another process's blocks loaded into this process's cache.
+
+A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engine (a spawned
+process with its own cache, its own mapping of the pool and its own connection) stores n random
+blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
+by DMA, straight from the shared slots. Rates are held against the same-run ceilings: the load
+against the one-way host -> device copy; both directions at once (the writer storing a second
+set while this process loads the first) against the bidirectional ceiling. Metadata cost per
+block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
+client's side, per block of a batch of n.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvconnector.layout.allocator import KVBuffer, allocate, shm_free_bytes
+from transfer.engine import TransferEngine
+from transfer.keys import Namespace
+from transfer.pool import HostPool
+from transfer.shared.client import SharedIndex
+from transfer.shared.daemon import slot_layout
+from transfer.shared.testing import PoolProcess
+
+SHARED_MAX_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}  # per set of blocks
+_TIMEOUT_S = 300.0
+
+
+def shared_steps(num_cases: int) -> int:
+    return num_cases
+
+
+def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats: int,
+                   step: Callable[[str], None]) -> dict[str, Any]:
+    """One row per case; {"skipped": why} where no pool fits in /dev/shm."""
+    rows = []
+    for case, blocks, _ in plan:
+        step(f"{case.name}: shared pool")
+        block_bytes = case.layout.block_bytes
+        stride = slot_layout(block_bytes).block_stride_bytes
+        fit = int(shm_free_bytes() * 0.8) // (3 * stride)
+        n = min(blocks, SHARED_MAX_BYTES[device.type] // block_bytes, fit)
+        if n < 1:
+            rows.append({"case": case.name, "error": "no room for the pool in /dev/shm"})
+            continue
+        try:
+            row = measure_one(block_bytes, n, device, repeats)
+        except Exception as exc:  # a finding: the other cases still run
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        row["case"] = case.name
+        if "load_gbps" in row:
+            row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
+            row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
+        rows.append(row)
+    return {"rows": rows}
+
+
+def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Store n blocks from a writer process, load them here; figures of one block size."""
+    name = f"bench-{secrets.token_hex(4)}"
+    stride = slot_layout(block_bytes).block_stride_bytes
+    namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
+            PoolProcess(Path(tmp) / "pool.log", name, capacity=str(3 * n * stride),
+                        slot_bytes=str(block_bytes)):
+        ours, theirs = ctx.Pipe()
+        writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), theirs),
+                             daemon=True)
+        writer.start()
+        index = SharedIndex(name, namespace, block_bytes)
+        pool = cache = engine = None
+        try:
+            store_s = _answer(ours)  # the writer stored set 0
+            keys = [_key(namespace, 0, i) for i in range(n)]
+            pool = HostPool.attach(index.segment, pinned=device.type == "cuda")
+            cache = allocate(slot_layout(block_bytes), num_blocks=n, device=device)
+            cache.raw.fill_(0xA5)
+            engine = TransferEngine(pool.segments([cache.block_chunks()]))
+            ids = torch.randperm(n).tolist()
+            meta_load, load_s, slots = [], [], []
+            for r in range(repeats + 1):  # the first round warms up
+                t0 = time.perf_counter()
+                hits = index.lookup_prefix(keys)
+                plan = index.prepare_load(keys)
+                t1 = time.perf_counter()
+                if hits != n or plan is None:
+                    raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
+                slots = plan.slots
+                engine.submit_load(r, slots, ids)
+                engine.wait([r])
+                t2 = time.perf_counter()
+                index.complete_load(keys)
+                meta_load.append(t1 - t0 + time.perf_counter() - t2)
+                load_s.append(t2 - t1)
+            if not all(res.ok for res in engine.get_finished()):
+                raise RuntimeError("a load job failed")
+            # Every byte: this process's cache holds what the writer put in the slots.
+            loaded = cache.block_chunks()[ids]
+            if not torch.equal(loaded.cpu(), pool.slots[slots]):
+                raise RuntimeError("loaded blocks differ from the writer's")
+            meta_store = _store_metadata(index, namespace, n, repeats)
+            # Both directions: the writer stores set 1 while this process loads set 0.
+            plan = index.prepare_load(keys)
+            ours.send("go")
+            t0 = time.time()
+            engine.submit_load(repeats + 1, plan.slots, ids)
+            engine.wait([repeats + 1])
+            t1 = time.time()
+            index.complete_load(keys)
+            w0, w1 = _answer(ours)
+            ours.send("exit")
+            writer.join(_TIMEOUT_S)
+        finally:
+            writer.kill()
+            for closing in (engine, pool):
+                if closing is not None:
+                    closing.close()
+            if cache is not None:
+                cache.close()
+            index.close()
+    nbytes = n * block_bytes
+    return {"block_bytes": block_bytes, "blocks": n,
+            "store_gbps": nbytes / store_s / 1e9,
+            "load_gbps": nbytes / statistics.median(load_s[1:]) / 1e9,
+            "bidir_gbps": 2 * nbytes / (max(t1, w1) - min(t0, w0)) / 1e9,
+            "load_meta_us": statistics.median(meta_load[1:]) / n * 1e6,
+            "store_meta_us": meta_store / n * 1e6}
+
+
+def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: int) -> float:
+    """Median seconds of allocate + commit for n new keys (commits failed: nothing is hashed
+    or kept, so the pool stays as it was)."""
+    samples = []
+    for r in range(repeats + 1):
+        keys = [_key(namespace, 100 + r, i) for i in range(n)]
+        t0 = time.perf_counter()
+        plan = index.prepare_store(keys)
+        index.complete_store(plan.keys, False)
+        samples.append(time.perf_counter() - t0)
+        if len(plan.keys) != n:
+            raise RuntimeError(f"only {len(plan.keys)} of {n} keys found a slot")
+    index.pool_stats()  # the commits are applied before we go on
+    return statistics.median(samples[1:])
+
+
+def _key(namespace: Namespace, batch: int, i: int) -> bytes:
+    return namespace.key(batch * 1_000_000 + i)
+
+
+def _answer(conn: Connection) -> Any:
+    if not conn.poll(_TIMEOUT_S):
+        raise RuntimeError("the writer process did not answer")
+    answer = conn.recv()
+    if isinstance(answer, str) and answer.startswith("error"):
+        raise RuntimeError(f"writer: {answer}")
+    return answer
+
+
+def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) -> None:
+    """Another engine: store set 0 (answer its seconds), then on "go" set 1 (answer when)."""
+    try:
+        namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
+        index = SharedIndex(name, namespace, block_bytes)
+        pool = HostPool.attach(index.segment, pinned=device.startswith("cuda"))
+        cache: KVBuffer = allocate(slot_layout(block_bytes), num_blocks=n, device=device)
+        g = torch.Generator(device=device).manual_seed(1)
+        cache.raw.copy_(torch.randint(0, 256, cache.raw.shape, dtype=torch.uint8,
+                                      device=device, generator=g))
+        engine = TransferEngine(pool.segments([cache.block_chunks()]))
+        ids = torch.randperm(n).tolist()
+        for batch in (0, 1):
+            keys = [_key(namespace, batch, i) for i in range(n)]
+            plan = index.prepare_store(keys)
+            if len(plan.keys) != n:
+                raise RuntimeError(f"only {len(plan.keys)} of {n} blocks found a slot")
+            if batch == 1 and conn.recv() != "go":
+                return
+            t0, w0 = time.perf_counter(), time.time()
+            engine.submit_store(batch, ids, plan.slots)
+            engine.wait([batch])
+            t1, w1 = time.perf_counter(), time.time()
+            if not all(res.ok for res in engine.get_finished()):
+                raise RuntimeError("a store job failed")
+            index.complete_store(keys, True)
+            index.pool_stats()  # committed before we answer
+            conn.send(t1 - t0 if batch == 0 else (w0, w1))
+        conn.recv()
+        engine.close()
+        pool.close()
+        cache.close()
+        index.close()
+    except Exception as exc:
+        conn.send(f"error {type(exc).__name__}: {exc}")

@@ -1,0 +1,156 @@
+"""The pool daemon as a process: owner-only files, peers of another uid refused, one daemon per
+name (a killed one's leftovers cleaned up), a misbehaving client dropped alone, `pool stats`."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import stat
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvconnector.cli import main as cli_main
+from kvconnector.layout.allocator import SHM_DIR
+from transfer.keys import Namespace
+from transfer.shared import protocol
+from transfer.shared.client import PoolClient, PoolError
+from transfer.shared.testing import PoolProcess
+
+NS = Namespace(model="m", dtype="bf16", block_size=4, block_layout="x")
+NOBODY = 65534
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[PoolProcess]:
+    with PoolProcess(tmp_path / "pool.log", f"d{uuid.uuid4().hex[:10]}") as process:
+        yield process
+
+
+def segments_of(name: str) -> list[str]:
+    return [f for f in os.listdir(SHM_DIR) if f.startswith(protocol.segment_prefix(name))]
+
+
+def test_socket_and_segment_are_owner_only(pool: PoolProcess) -> None:
+    assert stat.S_IMODE(os.stat(pool.path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o600
+    (segment,) = segments_of(pool.name)
+    assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, segment)).st_mode) == 0o600
+
+
+def test_the_peer_check() -> None:
+    protocol.check_peer(1000, 1000)
+    with pytest.raises(PermissionError, match="uid 1001 may not use this pool: it belongs to "
+                                              "uid 1000"):
+        protocol.check_peer(1001, 1000)
+    left, right = socket.socketpair(socket.AF_UNIX)
+    try:
+        assert protocol.peer_uid(left) == os.geteuid()
+    finally:
+        left.close()
+        right.close()
+
+
+def _connect_as_nobody(name: str, conn: mp.connection.Connection) -> None:
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    try:
+        PoolClient(name, [NS], 100)
+        conn.send("connected")
+    except PoolError as exc:
+        conn.send(str(exc))
+
+
+def _as_nobody(name: str) -> str:
+    ctx = mp.get_context("fork")  # the child needs no import: it may not read the tree as nobody
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_connect_as_nobody, args=(name, theirs))
+    child.start()
+    assert ours.poll(60), "the child did not answer"
+    answer = ours.recv()
+    child.join(60)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a process of another uid")
+def test_another_uid_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runtime = Path(tempfile.mkdtemp(prefix="kvc-uid-", dir="/tmp"))
+    os.chmod(runtime, 0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    with PoolProcess(tmp_path / "pool.log", f"u{uuid.uuid4().hex[:10]}") as pool:
+        # The socket's directory and file keep other users out...
+        assert "Permission denied" in _as_nobody(pool.name)
+        # ... and were they opened up, the daemon's SO_PEERCRED check still refuses them.
+        os.chmod(pool.path.parent, 0o711)
+        os.chmod(pool.path, 0o666)
+        assert f"uid {NOBODY} may not use this pool: it belongs to uid 0" in \
+            _as_nobody(pool.name)
+        client = PoolClient(pool.name, [NS], 100)  # its owner still gets in
+        assert client.request(protocol.STATS)["refused"] == 1
+        client.close()
+
+
+def test_one_daemon_per_name_and_a_killed_ones_leftovers_go(pool: PoolProcess,
+                                                            tmp_path: Path) -> None:
+    from transfer.shared.daemon import PoolDaemon
+
+    with pytest.raises(ValueError, match="already serves"):
+        PoolDaemon(pool.name, 1 << 20, 4096)
+    (first,) = segments_of(pool.name)
+    pool.kill()
+    assert pool.path.exists() and segments_of(pool.name) == [first]  # left behind
+    pool.start()
+    (second,) = segments_of(pool.name)
+    assert second != first
+    assert PoolClient(pool.name, [NS], 100).info.segment == second
+
+
+def test_a_block_larger_than_a_slot_is_refused_at_hello(pool: PoolProcess) -> None:
+    with pytest.raises(PoolError, match="--slot-bytes 65537 or more"):
+        PoolClient(pool.name, [NS], 65537)
+
+
+def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
+    good = PoolClient(pool.name, [NS], 100)
+    keys = NS.keys([b"g0"])
+    placed = good.request(protocol.PREPARE_STORES, [keys])[0][0]
+    good.notify(protocol.COMPLETE_STORE, placed, [True])
+    bad = socket.socket(socket.AF_UNIX)
+    bad.connect(str(pool.path))
+    bad.sendall(msgpack.packb([protocol.LOOKUP, keys]))  # before hello
+    assert bad.recv(100) == b""  # dropped
+    bad.close()
+    rude = PoolClient(pool.name, [NS], 100)
+    with pytest.raises(PoolError):  # another protocol's verb: dropped
+        rude.request("format_disk")
+    rude = PoolClient(pool.name, [NS], 100)
+    with pytest.raises(ValueError, match="not of a namespace this client declared"):
+        rude.request(protocol.LOOKUP, ["not a key"])  # a bad request: refused, still connected
+    with pytest.raises(PoolError):  # a bad notice drops the connection
+        rude.notify(protocol.COMPLETE_LOAD, "not a list of keys")
+        rude.request(protocol.STATS)
+    assert good.request(protocol.LOOKUP, keys) == 1  # unaffected
+    stats = good.request(protocol.STATS)
+    assert (stats["clients"], stats["stored"]) == (1, 1)
+    good.close()
+
+
+def test_pool_stats_cli(pool: PoolProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["pool", "stats", "--name", pool.name]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["name"], stats["num_slots"], stats["slot_bytes"]) == (pool.name, 256, 65536)
+    assert cli_main(["pool", "stats", "--name", "nonesuch"]) == 1
+    assert "no pool daemon for 'nonesuch'" in capsys.readouterr().err
+
+
+def test_an_engine_started_without_its_daemon_is_told_which() -> None:
+    from transfer.shared.client import SharedIndex
+
+    with pytest.raises(PoolError, match="no pool daemon for 'absent' at .*pool-absent.sock"):
+        SharedIndex("absent", NS, 100)

@@ -1,0 +1,139 @@
+"""The host's shared pool in place of the private one (`"pool": NAME`), through vLLM's real
+Scheduler and AsyncScheduler (tests/vllm_connector/vllm_harness.py), against a real
+`kvconnector pool serve` process.
+
+Two engines naming one pool share a prefix bit-exact (the harness compares every byte a request
+starts from, after poisoning the caches); a daemon killed between a lookup and its load makes
+the load fail and vLLM recompute, and the engines carry on with a restarted daemon; the remote
+store composes below the pool.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_harness as h  # noqa: E402
+from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
+
+from transfer.remote.store.testing import StoreProcess  # noqa: E402
+from transfer.shared import protocol  # noqa: E402
+from transfer.shared.client import PoolClient  # noqa: E402
+from transfer.shared.testing import PoolProcess  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
+
+BS = h.BLOCK_SIZE
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[PoolProcess]:
+    with PoolProcess(tmp_path / "pool.log", f"v{uuid.uuid4().hex[:10]}", capacity="4MiB",
+                     slot_bytes="16KiB") as process:
+        yield process
+
+
+def make_engine(model_dir: str, pool: str, async_scheduling: bool = False, tp: int = 1,
+                pp: int = 1, **extra: object) -> h.Engine:
+    return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
+                                  tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                  num_gpu_blocks=64, extra_config={"pool": pool, **extra}))
+
+
+def pool_stats(name: str) -> dict:
+    client = PoolClient(name, [bytes(16)], 1)
+    try:
+        return client.request(protocol.STATS)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("async_scheduling", "tp", "pp"), [
+    pytest.param(False, 1, 1, id="Scheduler-tp1"),
+    pytest.param(True, 1, 1, id="AsyncScheduler-tp1"),
+    pytest.param(True, 2, 1, id="AsyncScheduler-tp2"),
+    pytest.param(False, 2, 2, id="Scheduler-tp2-pp2")])
+def test_two_engines_sharing_a_pool_share_a_prefix_bit_exact(
+        model_dir: str, pool: PoolProcess, async_scheduling: bool, tp: int, pp: int) -> None:
+    first = make_engine(model_dir, pool.name, async_scheduling, tp, pp)
+    prompt = make_prompt(1, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 3)})
+    # One slot per block holds every rank's part of it.
+    assert pool_stats(pool.name)["stored"] == 4
+    assert first.connector._scheduler.index.lookup_prefix(h.prompt_keys(first, prompt)) == 4
+
+    second = make_engine(model_dir, pool.name, async_scheduling, tp, pp)
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [4 * BS]  # resumed after the load from the pool
+        assert worker.prefix_checks == 4 * BS  # every loaded byte compared
+        assert worker.connector._worker.pool.shared_name == pool_stats(pool.name)["segment"]
+    stats = h.total_stats(second)
+    assert stats.data["hit_tokens"] == 4 * BS and stats.data["failed_loads"] == 0
+    # The first engine, restarted (a new one in its place), finds its prefix in the pool.
+    first.connector.shutdown()
+    restarted = make_engine(model_dir, pool.name, async_scheduling, tp, pp)
+    poison_gpu(restarted)
+    run_to_completion(restarted, {"c": (prompt, 2)})
+    assert all(w.starts["c"] == [4 * BS] for w in restarted.workers)
+    assert pool_stats(pool.name)["pinned"] == pool_stats(pool.name)["storing"] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_daemon_killed_between_lookup_and_load_recomputes_then_reconnects(
+        model_dir: str, pool: PoolProcess, async_scheduling: bool) -> None:
+    first = make_engine(model_dir, pool.name, async_scheduling)
+    prompt = make_prompt(4, 3 * BS + 5)
+    run_to_completion(first, {"a": (prompt, 2)})
+    second = make_engine(model_dir, pool.name, async_scheduling)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    lookup = core.lookup
+    killed = []
+
+    def lookup_then_kill(*args: object) -> int:
+        hits = lookup(*args)
+        if hits and not killed:
+            pool.kill()  # the lookup said yes; the load will find no daemon
+            killed.append(True)
+        return hits
+
+    core.lookup = lookup_then_kill
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert killed
+    assert second.workers[0].starts["b"] == [0]  # recomputed, never read poison
+    assert h.total_stats(second).data["failed_loads"] == 1
+    # A restarted daemon: both engines reconnect on their next call, into a new, empty pool.
+    pool.start()
+    run_to_completion(first, {"a2": (prompt, 2)})  # stores the prefix again
+    assert second.scheduler.reset_prefix_cache()  # b's blocks: not from vLLM's own cache
+    poison_gpu(second)
+    run_to_completion(second, {"b2": (prompt, 2)})
+    assert second.workers[0].starts["b2"] == [3 * BS]
+
+
+def test_the_remote_store_composes_below_the_pool(model_dir: str, pool: PoolProcess,
+                                                  tmp_path: Path) -> None:
+    with StoreProcess(tmp_path / "store.log", capacity="64MiB") as store, \
+            PoolProcess(tmp_path / "pool2.log", f"w{uuid.uuid4().hex[:10]}", capacity="4MiB",
+                        slot_bytes="16KiB") as other_host:
+        # A live store's answers are waited for: a busy runner must not turn a hit into a miss.
+        remote = {"remote_url": store.url, "remote_lookup_deadline_s": 30.0,
+                  "remote_timeout_s": 30.0}
+        first = make_engine(model_dir, pool.name, **remote)
+        prompt = make_prompt(7, 4 * BS + 2)
+        run_to_completion(first, {"a": (prompt, 2)})  # into the pool, written through
+        # An engine on another host (another pool): fetched from the store into its pool.
+        second = make_engine(model_dir, other_host.name, **remote)
+        poison_gpu(second)
+        run_to_completion(second, {"b": (prompt, 2)})
+        assert second.workers[0].starts["b"] == [4 * BS]
+        stats = h.total_stats(second).data
+        assert (stats["hit_tokens"], stats["remote_hit_tokens"]) == (4 * BS, 4 * BS)
+        assert pool_stats(other_host.name)["stored"] == 4  # the fetched blocks stay in its pool

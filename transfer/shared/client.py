@@ -1,0 +1,235 @@
+"""Clients of the shared pool's daemon.
+
+`PoolClient`: one connection (its lease: what it stores and pins is released when it closes or
+its process dies). `SharedIndex`: the block index the scheduler core uses in place of a private
+BlockIndex: the same verbs, answered by the daemon; when the daemon is gone it answers "nothing
+stored, no room" (requests are recomputed, stores skipped) and reconnects to a restarted daemon,
+at most once per `retry_s`. A dead daemon is seen at once (the socket closes); `timeout_s` only
+bounds a hung one, generously: a busy host must not turn a slow answer into a lost lease.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from transfer.block_index import IndexStats, LoadPlan, StorePlan
+from transfer.keys import Namespace
+from transfer.shared import protocol as p
+
+
+class PoolError(ConnectionError):
+    """The daemon is unreachable, refused us, or the connection broke."""
+
+
+class PoolClient:
+    """One connection to pool `name`'s daemon for the given namespaces, whose blocks use
+    `entry_bytes` of a slot (a lease)."""
+
+    def __init__(self, name: str, namespaces: Sequence[Namespace | bytes], entry_bytes: int, *,
+                 timeout_s: float = 30.0, directory: Path | None = None) -> None:
+        self.path = p.socket_path(name, directory)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_s)
+        self._unpacker = msgpack.Unpacker(max_buffer_size=p.MAX_MESSAGE_BYTES)
+        try:
+            self._sock.connect(str(self.path))
+        except OSError as exc:
+            self._sock.close()
+            raise PoolError(f"no pool daemon for {name!r} at {self.path}: {exc}") from exc
+        digests = [ns.digest if isinstance(ns, Namespace) else ns for ns in namespaces]
+        try:
+            self.info = p.PoolInfo(*self.request(p.HELLO, digests, entry_bytes))
+        except (PoolError, ValueError) as exc:  # e.g. refused: another uid
+            self._sock.close()
+            raise PoolError(f"pool {name!r} at {self.path}: {exc}") from exc
+
+    def request(self, verb: str, *args: Any) -> Any:
+        """Send a request and return its answer; PoolError when the connection fails, ValueError
+        when the daemon refuses the request."""
+        try:
+            self._send(verb, args)
+        except PoolError as exc:
+            failed: PoolError | None = exc  # a refusal may be waiting to be read: read it first
+        else:
+            failed = None
+        try:
+            while True:
+                for ok, result in self._unpacker:
+                    if not ok:
+                        raise ValueError(f"pool daemon: {result}")
+                    return result
+                data = self._sock.recv(1 << 20)
+                if not data:
+                    raise failed or PoolError("the pool daemon closed the connection")
+                self._unpacker.feed(data)
+        except PoolError:
+            raise
+        except OSError as exc:
+            raise failed or PoolError(f"pool daemon at {self.path}: {exc}") from exc
+
+    def notify(self, verb: str, *args: Any) -> None:
+        """Send a notice (no answer; applied before our next request)."""
+        self._send(verb, args)
+
+    def _send(self, verb: str, args: tuple[Any, ...]) -> None:
+        try:
+            self._sock.sendall(msgpack.packb([verb, *args]))
+        except OSError as exc:
+            raise PoolError(f"pool daemon at {self.path}: {exc}") from exc
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class SharedIndex:
+    """BlockIndex's verbs for one namespace, served by the pool daemon (see module doc);
+    `entry_bytes`: the bytes of a slot one block (of every rank) uses.
+
+    `segment` names the shared memory the slots live in and `epoch` counts connections: a job
+    planned under an older epoch belongs to a lease that is gone, and its completion must not
+    reach the index (OffloadScheduler checks).
+    """
+
+    def __init__(self, name: str, namespace: Namespace, entry_bytes: int, *,
+                 timeout_s: float = 30.0, retry_s: float = 1.0,
+                 directory: Path | None = None) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.entry_bytes = entry_bytes
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.directory = directory
+        self.epoch = 0
+        self.segment = ""
+        self.num_slots = 0
+        self.slot_bytes = 0
+        self.failures = 0  # connections lost or refused
+        self._client: PoolClient | None = None
+        self._next_try = 0.0
+        self._stats = IndexStats()
+        self._connect(raise_errors=True)
+
+    # ---- connection ------------------------------------------------------------------------
+
+    def _connect(self, raise_errors: bool = False) -> PoolClient | None:
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now < self._next_try and not raise_errors:
+            return None
+        self._next_try = now + self.retry_s
+        try:
+            client = PoolClient(self.name, [self.namespace], self.entry_bytes,
+                                timeout_s=self.timeout_s, directory=self.directory)
+        except PoolError:
+            if raise_errors:
+                raise
+            return None
+        self._client = client
+        self.epoch += 1
+        self.segment, self.num_slots, self.slot_bytes = (client.info.segment,
+                                                         client.info.num_slots,
+                                                         client.info.slot_bytes)
+        return client
+
+    def _lost(self) -> None:
+        self.failures += 1
+        if self._client is not None:
+            self._client.close()  # the daemon drops this lease: our stores fail, pins go
+            self._client = None
+
+    def _call(self, verb: str, *args: Any, default: Any) -> Any:
+        for _ in range(2):  # a broken connection is found by using it: then one fresh try
+            client = self._connect()
+            if client is None:
+                return default
+            try:
+                return client.request(verb, *args)
+            except PoolError:
+                self._lost()
+        return default
+
+    def _notice(self, verb: str, *args: Any) -> None:
+        if self._client is None:
+            return  # what it would complete went with the lost lease
+        try:
+            self._client.notify(verb, *args)
+        except PoolError:
+            self._lost()
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    # ---- BlockIndex's verbs ----------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        hits = int(self._call(p.LOOKUP, list(keys), default=0)) if keys else 0
+        self._stats.hits += hits
+        self._stats.misses += len(keys) - hits
+        return hits
+
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan:
+        return self.prepare_stores([keys])[0]
+
+    def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]:
+        """`prepare_store` of each list, in one round trip; with no daemon nothing is placed."""
+        lists = [list(keys) for keys in key_lists]
+        answer = self._call(p.PREPARE_STORES, lists, default=None) if any(lists) else None
+        if answer is None:
+            return [StorePlan([], [], keys, [], []) for keys in lists]
+        plans = [StorePlan(*fields) for fields in answer]
+        self._stats.evictions += sum(len(plan.evicted) for plan in plans)
+        return plans
+
+    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
+        flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
+        self._stats.stores += sum(flags)
+        self._stats.failed_stores += len(flags) - sum(flags)
+        if keys:
+            self._notice(p.COMPLETE_STORE, list(keys), flags)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan | None:
+        """Slots of the keys, pinned; None when one of them is gone (evicted by another engine
+        since the lookup) or the daemon is: the caller's load fails, vLLM recomputes."""
+        if not keys:
+            return LoadPlan([], [])
+        slots = self._call(p.PREPARE_LOAD, list(keys), default=None)
+        return None if slots is None else LoadPlan(list(keys), slots)
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._notice(p.COMPLETE_LOAD, list(keys))
+
+    def discard(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._notice(p.DISCARD, list(keys))
+
+    def clear(self) -> None:
+        """Drop this namespace's keys from the pool (other models' stay)."""
+        self._notice(p.CLEAR)
+
+    def checksums(self, keys: Sequence[bytes]) -> list[int | None]:
+        """The xxh3-64 each block got when committed (None: not stored, or no daemon)."""
+        return self._call(p.CHECKSUMS, list(keys), default=[None] * len(keys))
+
+    def pool_stats(self) -> dict[str, Any] | None:
+        """The daemon's counters (None without a daemon); answered after every notice sent
+        before it is applied."""
+        return self._call(p.STATS, default=None)
+
+    @property
+    def stats(self) -> IndexStats:
+        """This client's counters (the daemon's own: `pool_stats`)."""
+        return IndexStats(**vars(self._stats))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

@@ -1,0 +1,33 @@
+"""An engine worker's view of the shared pool: its part of every slot, mapped and registered.
+
+A slot holds one block of every rank of an engine: rank r's bytes at r x (the engine's per-rank
+slot bytes). A worker maps the daemon's segment (named in each job: a restarted daemon makes a
+new one), registers it with CUDA where there is a GPU (HostPool.attach: cudaHostRegister in
+block-aligned chunks, as for a private pool) and copies by DMA between its cache and its part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transfer.pool import HostPool
+from transfer.shared.protocol import check_name, segment_prefix
+
+
+@dataclass(frozen=True)
+class SharedPart:
+    """This worker's bytes [offset, offset + the block's bytes) of every slot of pool `name`."""
+
+    name: str
+    offset: int
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
+            raise ValueError(f"offset must be a non-negative int, got {self.offset!r}")
+
+    def map(self, segment: str, pinned: bool | None) -> HostPool:
+        """Map `segment`, which must be one of this pool's (ValueError otherwise or if gone)."""
+        if not segment.startswith(segment_prefix(self.name)):
+            raise ValueError(f"segment {segment!r} is not one of pool {self.name!r}'s")
+        return HostPool.attach(segment, pinned=pinned)
