@@ -7,7 +7,8 @@ none, ...), their trials pooled:
 - `none`: no connector. Time to first token (TTFT) of a long prompt, computed; decode step time.
 - `cpu`: the connector with its CPU tier. Each trial runs a fresh long prompt (computed, its
   blocks stored), empties vLLM's prefix cache once the stores are complete, and runs it again:
-  its full blocks load from the CPU tier. Decode step time.
+  its full blocks load from the CPU tier, but the block holding its last token, which vLLM
+  computes (as with its own prefix cache). Decode step time.
 - `store`: the connector with `remote_only` against a `kvconnector store serve` process on
   loopback: the second run's blocks come from the store.
 TTFT is the wall time of a 1-token greedy generation (the engine does nothing else). The decode
@@ -110,7 +111,7 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
     llm = start_engine(model, mode, prompt_tokens + DECODE_STEPS + 1, trials, remote_url)
     rng = random.Random(seed)  # each engine its own prompts: the store outlives the engines
     fresh = lambda n: [rng.randrange(3, 1024) for _ in range(n)]  # noqa: E731
-    stored = prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    stored = (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token's block: computed
     result: dict[str, Any] = {"mode": mode, "ttft_compute_s": [], "ttft_reload_s": [],
                               "decode_step_s": [], "first_step_identical": [],
                               "load_average_1min": [os.getloadavg()[0]]}

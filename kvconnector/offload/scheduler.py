@@ -157,12 +157,16 @@ class OffloadScheduler:
     def lookup(self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
                num_tokens: int) -> int:
         """Tokens past `num_computed_tokens` (block aligned) that the tier can load now: the
-        longest run of stored keys. Remembers the range asked about for the hit/miss counts."""
+        longest run of stored keys, never the block holding the last token. Remembers the range
+        asked about for the hit/miss counts."""
         if num_computed_tokens % self.block_size:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of "
                              f"the block size {self.block_size}")
         start = num_computed_tokens // self.block_size
-        end = min(len(block_hashes), num_tokens // self.block_size)
+        # As vLLM's prefix cache: the block with the last token is recomputed. A full hit would
+        # leave vLLM one token to compute (decode-shaped), whose logprobs differ from the
+        # prefill that produced the stored blocks.
+        end = min(len(block_hashes), (num_tokens - 1) // self.block_size)
         keys = self.namespace.keys(list(block_hashes[start:end]))
         hits = self.index.lookup_prefix(keys)
         lookup = self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])

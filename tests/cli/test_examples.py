@@ -39,5 +39,7 @@ def test_the_vllm_reload_example_reloads_a_prompt_through_the_real_engine(tmp_pa
     summary = done.stdout.strip().splitlines()[-1]
     assert summary.startswith("vllm_reload: OK tokens identical: True (16 tokens"), summary
     assert "loaded from the CPU tier: 480 of 500 (vLLM counted 480 cached)" in summary, summary
-    assert re.search(rf"{480 // 32 * ENGINE_BLOCK_BYTES / 2**20:.2f} MiB at \d+\.\d\d GB/s$",
+    assert re.search(rf"{480 // 32 * ENGINE_BLOCK_BYTES / 2**20:.2f} MiB at \d+\.\d\d GB/s; ",
                      summary), summary
+    # its negative control: the same load from zeroed pool slots changed the output
+    assert summary.endswith("reloaded from zeroed pool slots, the output changed: True"), summary

@@ -71,6 +71,35 @@ def check_reload_after_reset(llm: LLM, seed: int, tensor_parallel_size: int = 1)
     expect_corruption_seen(llm, prompt, first, stored)
 
 
+def check_block_aligned_reload(llm: LLM, seed: int, tensor_parallel_size: int = 1,
+                               length: int = 1984) -> None:
+    """A prompt of whole blocks: vLLM's own prefix cache reuses all but its last block (it never
+    hits the block with the last token) and computes that block; a reload from the connector
+    loads the same blocks and must give the same tokens and logprobs as that reuse, bit for bit.
+
+    Compared with the reuse, not the first run: CPU attention's results for the last block can
+    depend on how the prompt was cut into steps (computed whole, or 32 tokens after 1952
+    cached), with vLLM's own cache as with the connector; loading every block (vLLM then
+    computes only the last token) differs from both."""
+    prompt = prompt_ids(seed, length)
+    assert len(prompt) % BLOCK_SIZE == 0
+    forget_everything(llm)
+    first = generate(llm, prompt)
+    assert first.num_cached_tokens == 0, first
+    before = counters(llm)
+    reused = generate(llm, prompt)  # from vLLM's own prefix cache
+    assert reused.num_cached_tokens == length - BLOCK_SIZE, reused
+    gained = counted(llm, before)
+    assert (gained["prefix_cache_hits"], gained["external_prefix_cache_hits"]) == \
+        (length - BLOCK_SIZE, 0), gained
+    settle(llm)
+    before = counters(llm)
+    again = generate(llm, prompt)
+    assert again.same_output(reused), (reused, again)
+    expect_loaded(llm, before, again, length - BLOCK_SIZE, tensor_parallel_size)
+    expect_corruption_seen(llm, prompt, reused, length - BLOCK_SIZE)
+
+
 def check_extending_a_stored_prefix(llm: LLM, seed: int, tensor_parallel_size: int = 1) -> None:
     """A prompt that extends a stored one loads the stored prefix's blocks and computes the
     rest; its output is identical to computing it all (same engine, every tier empty)."""

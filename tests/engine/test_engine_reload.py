@@ -7,7 +7,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-from engine_checks import check_extending_a_stored_prefix, check_reload_after_reset
+from engine_checks import (
+    check_block_aligned_reload,
+    check_extending_a_stored_prefix,
+    check_reload_after_reset,
+)
 from engine_support import block_bytes, running_llm
 
 if TYPE_CHECKING:
@@ -41,3 +45,7 @@ def test_a_reload_after_reset_gives_identical_tokens_and_logprobs(llm: LLM) -> N
 
 def test_a_prompt_extending_a_stored_prefix_loads_it_and_computes_the_rest(llm: LLM) -> None:
     check_extending_a_stored_prefix(llm, seed=2)
+
+
+def test_a_block_aligned_prompt_reloads_all_but_its_last_block(llm: LLM) -> None:
+    check_block_aligned_reload(llm, seed=3)

@@ -1,7 +1,9 @@
 """`vllm serve` with the connector (vLLM's OpenAI server on CPU, engine core in its own process,
 loopback only): a completion reloaded after `POST /reset_prefix_cache` is identical, `/metrics`
 carries the connector's counters, and `vllm bench serve` with its prefix-repetition dataset runs
-without a failed request and with prefixes reloaded from the CPU tier."""
+without a failed request, with prefixes reloaded from the CPU tier and the same texts as when
+they were computed. Each test ends with a negative control: the pool's slots zeroed, the output
+must change."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def _tokens_and_logprobs(reply: dict) -> tuple[list[str], list[float], list[dict
     return logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
 
 
-def test_a_completion_reloaded_after_reset_prefix_cache_is_identical(
+def test_a_completion_reloaded_after_reset_prefix_cache_is_identical_and_counted_in_metrics(
         server: ServeProcess) -> None:
     prompt = prompt_ids(31, 200)
     stored = (len(prompt) // BLOCK_SIZE) * BLOCK_SIZE  # 192: the last 8 tokens are computed
@@ -68,6 +70,9 @@ def test_a_completion_reloaded_after_reset_prefix_cache_is_identical(
     # the first request's full blocks were stored, once
     stored_bytes = server.counted(at_start)["kvconnector_store_bytes"]
     assert stored_bytes == stored // BLOCK_SIZE * block_bytes()
+    # /metrics carries every connector counter (as vllm:kvconnector_<name>_total)
+    missing = {f"kvconnector_{f.name}" for f in fields(OffloadCounters)} - set(before)
+    assert not missing, sorted(missing)
 
     # negative control: zero every pool slot, reload: the output must change
     server.settle()
@@ -79,36 +84,57 @@ def test_a_completion_reloaded_after_reset_prefix_cache_is_identical(
     server.settle(reset_external=True)
 
 
-def test_metrics_carry_every_connector_counter(server: ServeProcess) -> None:
-    # counters as vllm:kvconnector_<name>_total, jobs_in_flight as a gauge (see counters())
-    expected = {f"kvconnector_{f.name}" for f in fields(OffloadCounters)}
-    missing = expected - set(server.counters())
-    assert not missing, sorted(missing)
-
-
-def test_vllm_bench_serve_prefix_repetition_has_no_failure_and_reloads_prefixes(
-        server: ServeProcess, tmp_path: Path) -> None:
-    server.settle(reset_external=True)
-    before = server.counters()
+def _bench_serve(server: ServeProcess, directory: Path, name: str) -> dict:
+    """One `vllm bench serve` run of the prefix-repetition dataset (greedy, one request at a
+    time, the same seed: the same requests in the same order every run); its result."""
     argv = [sys.executable, str(LAUNCHER), "bench", "serve", "--backend", "vllm",
             "--base-url", server.url, "--model", server.model_dir,
             "--tokenizer", server.model_dir, "--dataset-name", "prefix_repetition",
             "--prefix-repetition-prefix-len", str(PREFIX_LEN),
             "--prefix-repetition-suffix-len", str(SUFFIX_LEN),
             "--prefix-repetition-num-prefixes", str(NUM_PREFIXES),
-            "--prefix-repetition-output-len", str(OUTPUT_LEN),
-            "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "1", "--seed", "1",
-            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
+            "--prefix-repetition-output-len", str(OUTPUT_LEN), "--ignore-eos",
+            "--temperature", "0", "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "1",
+            "--seed", "1", "--save-result", "--save-detailed", "--result-dir", str(directory),
+            "--result-filename", f"{name}.json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S,
-                          cwd=tmp_path)
+                          cwd=directory)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    result = json.loads((tmp_path / "bench.json").read_text())
+    result = json.loads((directory / f"{name}.json").read_text())
     assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result
-    gained = server.counted(before)
+    assert len(result["generated_texts"]) == NUM_PROMPTS
+    return result
+
+
+def _expect_every_hit_loaded(gained: dict[str, float]) -> int:
+    """vLLM's external hits arrived: a block loaded for each 32 of them, none failed."""
     hits = gained["external_prefix_cache_hits"]
-    assert hits > 0, gained
-    assert hits % BLOCK_SIZE == 0, gained
-    # every hit token arrived: the connector loaded a block for each 32 of them, none failed
+    assert hits > 0 and hits % BLOCK_SIZE == 0, gained
     assert gained["kvconnector_hit_tokens"] == hits, gained
     assert gained["kvconnector_load_bytes"] == hits // BLOCK_SIZE * block_bytes(), gained
     assert gained["kvconnector_failed_loads"] == 0, gained
+    return int(hits)
+
+
+def test_vllm_bench_serve_prefix_repetition_has_no_failure_and_reloads_prefixes(
+        server: ServeProcess, tmp_path: Path) -> None:
+    # 1. every tier empty: each prefix is computed once, later repeats load from the CPU tier
+    server.settle(reset_external=True)
+    before = server.counters()
+    computed = _bench_serve(server, tmp_path, "computed")
+    first_hits = _expect_every_hit_loaded(server.counted(before))
+    # 2. vLLM's prefix cache emptied, the CPU tier kept: now every prompt's blocks reload,
+    # the first requests of each prefix too; the generated texts are the same
+    server.settle()
+    before = server.counters()
+    reloaded = _bench_serve(server, tmp_path, "reloaded")
+    assert _expect_every_hit_loaded(server.counted(before)) > first_hits
+    assert reloaded["generated_texts"] == computed["generated_texts"]
+    # 3. negative control: the same run from zeroed pool slots must change the texts
+    server.settle()
+    zeroed = server.post("/collective_rpc", {"method": "zero_kvconnector_pool"})["results"]
+    assert [int(n) for n in zeroed] == [POOL_BLOCKS], zeroed
+    corrupted = _bench_serve(server, tmp_path, "corrupted")
+    assert corrupted["generated_texts"] != computed["generated_texts"], \
+        "zeroed KV blocks changed no generated text"
+    server.settle(reset_external=True)
