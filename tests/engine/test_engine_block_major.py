@@ -90,7 +90,7 @@ def _worker_path(worker: object) -> tuple[str, str, int, str, list[tuple]]:  # r
             offload.describe(), sorted(views))
 
 
-def test_vllm_resolves_the_block_outermost_layout_and_blocks_move_in_one_copy(
+def test_vllm_resolves_the_block_outermost_layout_blocks_move_in_one_copy_and_reload(
         started: tuple[LLM, list[str]]) -> None:
     llm, lines = started
     ((layout, mode, copies, described, strides),) = llm.collective_rpc(_worker_path)
@@ -103,9 +103,6 @@ def test_vllm_resolves_the_block_outermost_layout_and_blocks_move_in_one_copy(
                      f"kv_connector_extra_config), vLLM resolved {LAYOUT} for REF_ATTN; "
                      f"{described}"]
     assert described.startswith("block-major: 1 copy per block; ")
-
-
-def test_a_reload_after_reset_gives_identical_tokens_and_logprobs(llm: LLM) -> None:
     check_reload_after_reset(llm, seed=1)
 
 

@@ -33,13 +33,10 @@ def _worker_path(worker: object) -> tuple[str, int, str]:  # runs on the worker
     return offload.mode, offload.copies_per_block, worker.vllm_config.cache_config.kv_cache_layout
 
 
-def test_cpu_attention_resolves_a_layer_major_layout_so_blocks_move_per_layer(llm: LLM) -> None:
+def test_under_cpu_attention_blocks_move_per_layer_and_a_reload_is_identical(llm: LLM) -> None:
     # CPU_ATTN declares only LBHNC; the connector copies each layer's page of a block.
     (found,) = llm.collective_rpc(_worker_path)
     assert found == ("per-layer", 4, "LBHNC")
-
-
-def test_a_reload_after_reset_gives_identical_tokens_and_logprobs(llm: LLM) -> None:
     check_reload_after_reset(llm, seed=1)
 
 

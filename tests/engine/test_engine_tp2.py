@@ -32,14 +32,12 @@ def _rank_path(worker: object) -> tuple[int, str, int, int]:  # runs on each wor
     return os.getpid(), offload.mode, offload.copies_per_block, offload.block_bytes
 
 
-def test_two_workers_in_their_own_processes_each_offload_their_half(llm: LLM) -> None:
+def test_two_workers_in_their_own_processes_offload_their_halves_and_reload_identically(
+        llm: LLM) -> None:
     import os
 
     ranks = llm.collective_rpc(_rank_path)
     pids = {pid for pid, *_ in ranks}
     assert len(pids) == 2 and os.getpid() not in pids, ranks
     assert [path for _, *path in ranks] == [["per-layer", 4, block_bytes(2)]] * 2
-
-
-def test_a_reload_at_tp2_gives_identical_tokens_and_logprobs(llm: LLM) -> None:
     check_reload_after_reset(llm, seed=11, tensor_parallel_size=2)
