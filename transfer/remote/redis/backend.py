@@ -32,17 +32,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
-    AskError,
-    MovedError,
     RedisError,
-    ResponseError,
-    TryAgainError,
 )
 from redis.retry import Retry
 
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus, RemoteBackend, TransferResult, check_positive
 from transfer.remote.redis.lanes import Gate, Lane, deal_lanes, default_workers, run_lane
+from transfer.remote.redis.replies import REDIRECT_TEXT, REDIRECTS, describe, key_answer, put_status
 from transfer.remote.redis.values import (
     HEADER_BYTES,
     VALUE_VERSION,
@@ -50,7 +47,6 @@ from transfer.remote.redis.values import (
     RedisURL,
     decode_value,
     encode_value,
-    holds_block,
     redis_key,
     value_header,
 )
@@ -70,7 +66,6 @@ DEFAULT_BATCH_BYTES = 4 << 20
 DEFAULT_WORKERS = default_workers()
 KEYS_PER_PIPELINE = 1024  # lookups, exists, deletes
 _REFRESH_INTERVAL_S = 1.0
-_REDIRECTS = (MovedError, AskError, TryAgainError)
 _LATE = "no reply from its Redis node before the deadline"
 _STATS = ("used_memory", "maxmemory", "evicted_keys", "keyspace_hits", "keyspace_misses",
           "connected_clients")
@@ -129,10 +124,10 @@ class RedisClusterBackend(RemoteBackend):
             values = [(value_header(keys[i], rows[slots[i]]), rows[slots[i]]) for i in indices]
             replies = set_values(conn, [redis_key(keys[i]) for i in indices], values)
             for i, reply in zip(indices, replies, strict=True):
-                statuses[i], errors[i] = _put_status(reply)
+                statuses[i], errors[i] = put_status(reply)
 
         def resend(i: int, cluster: RedisCluster, gate: Gate) -> None:
-            statuses[i], errors[i] = _put_status(
+            statuses[i], errors[i] = put_status(
                 cluster.set(redis_key(keys[i]), encode_value(keys[i], rows[slots[i]])))
 
         late = self._run(keys, self._blocks_per_pipeline, send, resend, statuses, errors,
@@ -155,7 +150,7 @@ class RedisClusterBackend(RemoteBackend):
                 statuses[i], errors[i] = BlockStatus.SIZE, str(reply)
                 return
             if isinstance(reply, Exception):
-                statuses[i], errors[i] = BlockStatus.FAILED, _describe(reply)
+                statuses[i], errors[i] = BlockStatus.FAILED, describe(reply)
                 return
             if reply is None:
                 statuses[i], errors[i] = BlockStatus.MISSING, "the cluster does not hold this key"
@@ -175,8 +170,8 @@ class RedisClusterBackend(RemoteBackend):
         def fetch(conn: Any, indices: list[int], gate: Gate) -> None:
             replies = get_values(conn, [redis_key(keys[i]) for i in indices], self._buffer())
             for i, reply in zip(indices, replies, strict=True):
-                if isinstance(reply, _REDIRECTS):
-                    statuses[i], errors[i] = BlockStatus.FAILED, _describe(reply)
+                if isinstance(reply, REDIRECTS):
+                    statuses[i], errors[i] = BlockStatus.FAILED, describe(reply)
                 else:
                     land(i, reply, gate)
 
@@ -214,7 +209,7 @@ class RedisClusterBackend(RemoteBackend):
             try:
                 info = cluster.get_redis_connection(node).info()
             except RedisError as exc:
-                stats[node.name] = {"error": _describe(exc)}
+                stats[node.name] = {"error": describe(exc)}
                 continue
             stats[node.name] = {name: info.get(name) for name in _STATS}
             stats[node.name]["keys"] = info.get("db0", {}).get("keys", 0)
@@ -227,7 +222,7 @@ class RedisClusterBackend(RemoteBackend):
             try:
                 cluster.get_redis_connection(node).ping()
             except RedisError as exc:
-                raise StoreError(f"Redis node {node.name}: {_describe(exc)}") from None
+                raise StoreError(f"Redis node {node.name}: {describe(exc)}") from None
         return VALUE_VERSION
 
     def close(self) -> None:
@@ -273,7 +268,7 @@ class RedisClusterBackend(RemoteBackend):
         self._connecting = None
         if connecting.exception() is not None:
             raise StoreError(f"Redis Cluster {self.url}: "
-                             f"{_describe(connecting.exception())}") from None
+                             f"{describe(connecting.exception())}") from None
         self._cluster = connecting.result()
         return self._cluster
 
@@ -299,7 +294,7 @@ class RedisClusterBackend(RemoteBackend):
             try:
                 node = cluster.get_node_from_key(redis_key(key))
             except RedisError as exc:
-                answers[i] = _describe(exc)
+                answers[i] = describe(exc)
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
         return [(cluster.get_redis_connection(node),
@@ -335,9 +330,9 @@ class RedisClusterBackend(RemoteBackend):
                 self._stale = True
                 for i in futures[future]:
                     if errors[i] is _LATE:  # (the pipelines it ran before have their answers)
-                        errors[i] = _describe(future.exception())
+                        errors[i] = describe(future.exception())
         redirected = [i for i, e in enumerate(errors)
-                      if statuses[i] is BlockStatus.FAILED and e.startswith(_REDIRECT_TEXT)]
+                      if statuses[i] is BlockStatus.FAILED and e.startswith(REDIRECT_TEXT)]
         if redirected:
             self._stale = True
             for i in redirected:
@@ -346,7 +341,7 @@ class RedisClusterBackend(RemoteBackend):
                 try:
                     redo(i, cluster, gate)
                 except RedisError as exc:
-                    statuses[i], errors[i] = BlockStatus.FAILED, _describe(exc)
+                    statuses[i], errors[i] = BlockStatus.FAILED, describe(exc)
         gate.close()
         return [(f, futures[f]) for f in running]
 
@@ -375,7 +370,7 @@ class RedisClusterBackend(RemoteBackend):
             replies = iter(pipe.execute(raise_on_error=False))
             for i, reply in zip(indices, replies, strict=False):
                 length = next(replies) if verb == "held" else None
-                answers[i] = _answer(verb, reply, length, keys[i], self.block_bytes)
+                answers[i] = key_answer(verb, reply, length, keys[i], self.block_bytes)
 
         futures = {self._pool.submit(ask, client, indices): indices for client, indices in shares}
         done, _ = wait(futures, max(0.0, deadline - time.monotonic()))
@@ -383,41 +378,8 @@ class RedisClusterBackend(RemoteBackend):
             if future.exception() is not None:
                 self._stale = True
                 for i in futures[future]:
-                    answers[i] = _describe(future.exception())
+                    answers[i] = describe(future.exception())
         return list(answers)
-
-
-_REDIRECT_TEXT = "redirected: "
-
-
-def _put_status(reply: Any) -> tuple[BlockStatus, str]:
-    if reply is True:
-        return BlockStatus.OK, ""
-    if isinstance(reply, _REDIRECTS):
-        return BlockStatus.FAILED, _describe(reply)
-    if isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
-        return BlockStatus.FULL, f"the node has no room: {reply}"
-    return BlockStatus.FAILED, _describe(reply) if isinstance(reply, Exception) else \
-        f"unexpected reply {reply!r:.80}"
-
-
-def _answer(verb: str, reply: Any, length: Any, key: bytes, block_bytes: int) -> bool | str:
-    """A key's answer to `held` (`length`: the value's STRLEN) or `delete`: True/False, or why
-    there is none."""
-    if verb == "held" and isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
-        return False  # not a string: not ours
-    if isinstance(reply, Exception):
-        return _describe(reply)
-    if verb != "held":
-        return reply == 1
-    return _describe(length) if isinstance(length, Exception) else \
-        holds_block(reply, length, key, block_bytes)
-
-
-def _describe(error: Any) -> str:
-    if isinstance(error, _REDIRECTS):
-        return f"{_REDIRECT_TEXT}{type(error).__name__} {error}"
-    return f"{type(error).__name__}: {error}"
 
 
 def _all_answered(answers: list[Any]) -> list[bool]:
