@@ -112,6 +112,8 @@ def test_consecutive_slots_move_in_runs_each_block_checked(
         monkeypatch.setattr(os, verb, counted)
     io = DiskIO(slab, pool.slots, threads=2, max_extent_bytes=3 * data + 100)
     assert io.extent_blocks == 3
+    # small blocks: at most 64 a request (two iovecs each, far below IOV_MAX)
+    assert [DiskIO.extent_blocks_for(n << 10) for n in (4, 256, 2048, 32768)] == [64, 64, 8, 1]
     io.submit_write(1, [key(n) for n in names], range(12), slots)
     assert io.wait(timeout=60)
     assert [r.ok for r in io.get_finished()] == [(True,) * 12]

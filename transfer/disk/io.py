@@ -33,6 +33,9 @@ from transfer.disk.slab import ALIGN, FOOTER_BYTES, DiskError, SlabFile, aligned
 DEFAULT_THREADS = 16
 DEFAULT_MAX_WRITE_BYTES = 1 << 30
 DEFAULT_MAX_EXTENT_BYTES = 16 << 20
+# Blocks a request takes at most whatever their size: two iovecs each, far below IOV_MAX (1024),
+# and each thread's footer buffers stay small (64 x 4 KiB).
+MAX_RUN_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,8 @@ class DiskIO:
     def extent_blocks_for(data_bytes: int,
                           max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES) -> int:
         """Blocks of `data_bytes` (a slot's data) one request takes at most: a whole block
-        however small the bound."""
-        return max(1, max_extent_bytes // data_bytes)
+        however small the bound, MAX_RUN_BLOCKS however small the blocks."""
+        return max(1, min(MAX_RUN_BLOCKS, max_extent_bytes // data_bytes))
 
     # ---- verbs -----------------------------------------------------------------------------
     def submit_write(self, job_id: int, keys: Sequence[bytes], pool_slots: Sequence[int],
