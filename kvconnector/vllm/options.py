@@ -45,7 +45,9 @@ class ConnectorOptions:
     stages blocks on their way to and from the store (cpu_bytes sizes it).
     disk_path: a directory on a local drive (O_DIRECT) for the disk tier below the pool, one slab
     file per rank; disk_bytes: its size per worker; disk_write_policy: "evict" (blocks go to disk
-    as the pool evicts them) or "through" (every block stored in the pool also goes to disk).
+    as the pool evicts them) or "through" (every block stored in the pool also goes to disk; the
+    only policy with remote_only, whose pool evicts nothing: the disk is then the local tier in
+    front of the store).
     """
 
     cpu_bytes: int | None = None
@@ -119,6 +121,13 @@ class ConnectorOptions:
                 raise ValueError(f"{disk_keys} given without disk_path")
         else:
             options.disk()
+            if options.remote_only and options.disk_write_policy != "through":
+                # The pool only stages blocks for the store and drops them once put: it never
+                # evicts one, so "evict" would write nothing to disk.
+                raise ValueError(f"remote_only with disk_path needs disk_write_policy "
+                                 f"'through' (every block written to disk as it goes to the "
+                                 f"store), got {options.disk_write_policy!r}: with remote_only "
+                                 f"the pool evicts nothing")
         return options
 
     def disk(self) -> DiskSettings | None:

@@ -23,14 +23,20 @@ def test_disk_bench_measures_both_block_sizes_against_fio(
     assert "Disk tier" in out and "fio write GB/s" in out
     record = json.loads(js.read_text())
     rows = record["disk"]["rows"]
-    assert [(r["block_bytes"], r["request_bytes"], r["queue_depth"]) for r in rows] == [
-        (2 << 20, (2 << 20) + 4096, 4), (640 << 10, (640 << 10) + 4096, 4)]
-    assert [r["blocks"] for r in rows] == [8, 25]  # 16 MiB of requests, 2 per thread or more
+    # Requests of 16 MiB of blocks (the tier's runs), each block with its 4 KiB footer.
+    assert [(r["block_bytes"], r["blocks_per_request"], r["request_bytes"], r["queue_depth"])
+            for r in rows] == [(2 << 20, 8, 8 * ((2 << 20) + 4096), 4),
+                               (640 << 10, 25, 25 * ((640 << 10) + 4096), 4)]
+    assert [r["blocks"] for r in rows] == [64, 200]  # 2 requests per thread at least
+    assert all(r["fio_memory"] in ("shmhuge", "malloc") for r in rows)
     for row in rows:
         for key in ("tier_write_GBps", "tier_read_GBps", "fio_write_GBps", "fio_read_GBps"):
             assert row[key] > 0
-        assert row["write_ratio"] == pytest.approx(row["tier_write_GBps"] / row["fio_write_GBps"],
-                                                   rel=0.01)
+        for rw in ("write", "read"):  # one repeat: one pair, its ratio is the figure
+            assert row[f"{rw}_ratio"] == pytest.approx(
+                row[f"tier_{rw}_GBps"] / row[f"fio_{rw}_GBps"], rel=0.01)
+            assert row[f"{rw}_ratio_range"] == [row[f"{rw}_ratio"]] * 2
+        assert len(row["load_average"]) == 1
     assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-8b,")
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # slab and fio file removed
 

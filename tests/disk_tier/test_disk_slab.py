@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,58 @@ def test_round_trip_into_a_new_process_is_bit_exact(disk: Path) -> None:
     assert ok == (True,) * 4 and same == [True] * 4
 
 
+def test_consecutive_slots_move_in_runs_each_block_checked(
+        disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's blocks in consecutive disk slots go as one request a run (at most 3 blocks here;
+    a gap ends a run); a block flipped inside a run fails alone, its run retried block by block.
+    """
+    data = BLOCK + 4096 - BLOCK % 4096  # the slot's data bytes
+    names, slots = list(range(50, 62)), [0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13]
+    pool = make_pool(BLOCK, len(names))
+    for i, name in enumerate(names):
+        pool.slots[i].copy_(block_data(name, BLOCK))
+    slab = SlabFile(disk, NS_DIGEST, BLOCK, 16)
+    calls: list[tuple[str, int, int]] = []  # (verb, first slot, blocks)
+    for verb in ("preadv", "pwritev"):
+        real = getattr(os, verb)
+
+        def counted(fd: int, buffers: list[memoryview], offset: int, verb: str = verb,
+                    real: object = real) -> int:
+            calls.append((verb, (offset - 4096) // (data + FOOTER_BYTES), len(buffers) // 2))
+            return real(fd, buffers, offset)  # type: ignore[operator]
+
+        monkeypatch.setattr(os, verb, counted)
+    io = DiskIO(slab, pool.slots, threads=2, max_extent_bytes=3 * data + 100)
+    assert io.extent_blocks == 3
+    # small blocks: at most 64 a request (two iovecs each, far below IOV_MAX)
+    assert [DiskIO.extent_blocks_for(n << 10) for n in (4, 256, 2048, 32768)] == [64, 64, 8, 1]
+    io.submit_write(1, [key(n) for n in names], range(12), slots)
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 12]
+    assert sorted(calls) == [("pwritev", first, count) for first, count in
+                             [(0, 3), (3, 3), (6, 1), (9, 3), (12, 2)]]
+    with slab_path(disk, NS_DIGEST).open("r+b") as f:  # a byte of slot 4's block (name 54)
+        f.seek(slab.offset(4) + 777)
+        byte = f.read(1)[0]
+        f.seek(slab.offset(4) + 777)
+        f.write(bytes([byte ^ 0x01]))
+    calls.clear()
+    pool.slots.fill_(POISON)
+    io.submit_read(2, [key(n) for n in names], slots, range(12))
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [tuple(n != 54 for n in names)]
+    assert sorted(calls) == sorted([("preadv", first, count) for first, count in
+                                    [(0, 3), (3, 3), (6, 1), (9, 3), (12, 2),
+                                     (3, 1), (4, 1), (5, 1)]])  # the bad run, block by block
+    for i, name in enumerate(names):
+        assert torch.equal(pool.slots[i], block_data(name, BLOCK)) == (name != 54), name
+    assert "checksum mismatch in slot 4" in io.last_error
+    counters = io.take_counters()
+    assert (counters.read_bytes, counters.failed_reads) == (11 * BLOCK, 1)
+    io.close()
+    pool.close()
+
+
 @pytest.mark.parametrize("tear", ["prefix", "footer-first"])
 def test_writer_killed_mid_write_never_serves_the_partial_block(disk: Path, tear: str) -> None:
     """Slot 0 held block 1; its overwrite by block 2 is cut off by SIGKILL: a prefix of the
@@ -135,23 +188,26 @@ def test_flipped_bytes_fail_that_block_only(disk: Path) -> None:
 
 
 class FaultySlab(SlabFile):
-    """Reads of `bad` slots fail with EIO; writes wait for `gate` when it is set."""
+    """Reads touching `bad` slots fail with EIO; writes wait for `gate` when it is set."""
 
     bad: set[int] = set()
     crash: set[int] = set()
     gate: threading.Event | None = None
 
-    def read(self, slot: int, key: bytes, into: memoryview, footer: memoryview) -> None:
-        if slot in self.bad:
-            raise OSError(errno.EIO, f"injected read error in slot {slot}")
-        if slot in self.crash:
-            raise RuntimeError(f"injected bug in slot {slot}")
-        super().read(slot, key, into, footer)
+    def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
+             footers: Sequence[memoryview]) -> None:
+        for slot in range(first_slot, first_slot + len(keys)):
+            if slot in self.bad:
+                raise OSError(errno.EIO, f"injected read error in slot {slot}")
+            if slot in self.crash:
+                raise RuntimeError(f"injected bug in slot {slot}")
+        super().read(first_slot, keys, intos, footers)
 
-    def write(self, slot: int, key: bytes, data: memoryview, footer: memoryview) -> None:
+    def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
+              footers: Sequence[memoryview]) -> None:
         if self.gate is not None:
             assert self.gate.wait(60)
-        super().write(slot, key, data, footer)
+        super().write(first_slot, keys, datas, footers)
 
 
 def test_injected_read_error_fails_that_block_and_is_counted(disk: Path) -> None:

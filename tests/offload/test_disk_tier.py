@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,11 @@ class GatedSlab(SlabFile):
 
     gate: threading.Event | None = None
 
-    def write(self, slot: int, key: bytes, data: memoryview, footer: memoryview) -> None:
+    def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
+              footers: Sequence[memoryview]) -> None:
         if self.gate is not None:
             assert self.gate.wait(60)
-        super().write(slot, key, data, footer)
+        super().write(first_slot, keys, datas, footers)
 
 
 def tier(directory: Path, caches: dict[str, torch.Tensor], pool_slots: int, write_policy: str,

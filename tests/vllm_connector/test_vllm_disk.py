@@ -3,7 +3,9 @@
 
 A pool too small for two prompts sends the evicted blocks to disk and serves them back; a new
 engine on the same directory (a restart) finds every rank's blocks and loads as many as its
-pool holds; a block flipped on disk is caught by its checksum and recomputed.
+pool holds; a block flipped on disk is caught by its checksum and recomputed. With remote_only
+(the pool only stages blocks for a real store process) the disk, written through, is the local
+tier in front of the store.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from vllm_harness import make_prompt, poison_gpu, run_to_completion, total_stats
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up  # noqa: E402
 from kvconnector.vllm.options import ConnectorOptions  # noqa: E402
 from transfer.disk.slab import slab_path  # noqa: E402
+from transfer.remote.store.client import StoreClient  # noqa: E402
+from transfer.remote.store.security import Security  # noqa: E402
+from transfer.remote.store.testing import StoreProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
@@ -29,11 +34,11 @@ BS = h.BLOCK_SIZE
 
 def make_engine(model_dir: str, disk: Path, cpu_slots: int, write_policy: str,
                 async_scheduling: bool = False, tp: int = 1, pp: int = 1,
-                mla: bool = False) -> h.Engine:
+                mla: bool = False, **extra: object) -> h.Engine:
     # A slot holds the largest stage's layers, as the connector sizes it.
     slot = round_up(max(map(len, h.stage_layers(pp))) * h.page_bytes(tp, mla), HOST_ALIGNMENT)
     config = {"cpu_bytes": cpu_slots * slot, "disk_path": str(disk),
-              "disk_bytes": 64 * (slot + 4096), "disk_write_policy": write_policy}
+              "disk_bytes": 64 * (slot + 4096), "disk_write_policy": write_policy, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, mla=mla,
                                   extra_config=config))
@@ -115,6 +120,42 @@ def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -
     assert second.connector._scheduler.index.contains(key) and disk.index.contains(key)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_remote_only_writes_through_to_disk_and_reloads_from_it_before_the_store(
+        model_dir: str, tmp_path: Path, async_scheduling: bool) -> None:
+    with StoreProcess(tmp_path / "store.log", capacity="64MiB") as store:
+        remote = {"remote_url": store.url, "remote_only": True, "remote_security": "none",
+                  "remote_lookup_deadline_s": 30.0, "remote_timeout_s": 30.0}
+        first = make_engine(model_dir, tmp_path / "disk", 8, "through", async_scheduling,
+                            **remote)
+        prompt = make_prompt(6, 6 * BS + 2)
+        run_to_completion(first, {"a": (prompt, 2)})
+        core = first.connector._scheduler
+        assert (len(core.index), len(core.disk.index)) == (0, 6)  # staged, then on disk
+        with StoreClient(store.url, Security.none()) as client:
+            assert client.stats()["put_blocks"] == 6  # and in the store
+        assert first.scheduler.reset_prefix_cache()
+        poison_gpu(first)
+        run_to_completion(first, {"a2": (prompt, 2)})
+        assert first.workers[0].starts["a2"] == [6 * BS]  # every byte compared
+        stats = total_stats(first).data
+        assert (stats["disk_hit_tokens"], stats["remote_hit_tokens"]) == (6 * BS, 0)
+        assert stats["disk_read_bytes"] == 6 * h.block_bytes(1)
+        assert len(core.index) == 0  # read through staging slots, not kept
+        with StoreClient(store.url, Security.none()) as client:
+            assert client.stats()["get_blocks"] == 0  # the disk answered first
+        # An engine on another disk finds them in the store.
+        second = make_engine(model_dir, tmp_path / "disk2", 8, "through", async_scheduling,
+                             **remote)
+        poison_gpu(second)
+        run_to_completion(second, {"b": (prompt, 2)})
+        assert second.workers[0].starts["b"] == [6 * BS]
+        assert total_stats(second).data["remote_hit_tokens"] == 6 * BS
+        # Fetched blocks are not written to disk (the store holds them), nor kept in the pool.
+        assert (len(second.connector._scheduler.index),
+                len(second.connector._scheduler.disk.index)) == (0, 0)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ({"disk_bytes": 1 << 30}, r"\['disk_bytes'\] given without disk_path"),
     ({"disk_write_policy": "through"}, "without disk_path"),
@@ -123,6 +164,9 @@ def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -
     ({"disk_path": "", "disk_bytes": 1}, "disk_path must be a directory"),
     ({"disk_path": "/tmp/x", "disk_bytes": 1, "disk_write_policy": "back"},
      "disk_write_policy must be one of"),
+    ({"disk_path": "/tmp/x", "disk_bytes": 1, "remote_url": "tcp://127.0.0.1:1",
+      "remote_security": "none", "remote_only": True},
+     "remote_only with disk_path needs disk_write_policy 'through'.*got 'evict'"),
 ])
 def test_disk_options_refuse_bad_values(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -2,8 +2,9 @@
 
 File `<namespace digest>.slab` in the tier's directory: a 4 KiB file header (block size, slot
 count, namespace), then `num_slots` slots of `data_bytes` (the block rounded up to 4 KiB: a pool
-slot's stride) + a 4 KiB footer. One pwritev writes a block and its footer: magic, slot number,
-block length, the key and an xxh3-128 checksum of the block, the footer sealed by its own xxh64.
+slot's stride) + a 4 KiB footer. One pwritev writes a block and its footer (a run of consecutive
+slots, each block followed by its own, in one request): magic, slot number, block length, the key
+and an xxh3-128 checksum of the block, the footer sealed by its own xxh64.
 A slot counts only when its footer is sound and names it; every read checks the key and the
 block's checksum. So a block cut off by a crash (a prefix written: the footer comes last), torn
 in any other order, flipped on the medium or misdirected is never served: a footer that survives
@@ -20,6 +21,7 @@ import fcntl
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,41 +133,66 @@ class SlabFile:
             if exc.errno not in (errno.ENOSPC, errno.EOPNOTSUPP, errno.EINVAL, errno.EFBIG):
                 raise DiskError(f"cannot preallocate {self.path}: {exc}") from exc
 
-    def write(self, slot: int, key: bytes, data: memoryview, footer: memoryview) -> None:
-        """Write `data` (data_bytes, aligned; the block is its first block_bytes) to `slot`
-        under `key`; `footer` is the calling thread's aligned 4 KiB scratch buffer."""
-        self._check(slot, key, data)
-        seal_footer(footer, slot, self.block_bytes, key,
-                    xxhash.xxh3_128_digest(data[:self.block_bytes]))
-        _write_all(self.fd, [data, footer], self.offset(slot), f"slot {slot}")
+    def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
+              footers: Sequence[memoryview]) -> None:
+        """Write each of `datas` (data_bytes, aligned; the block is its first block_bytes) under
+        its key to consecutive slots from `first_slot`, in one request; `footers` are the calling
+        thread's aligned 4 KiB scratch buffers, one a block."""
+        self._check(first_slot, keys, datas, footers)
+        buffers: list[memoryview] = []
+        for j, (key, data) in enumerate(zip(keys, datas, strict=True)):
+            seal_footer(footers[j], first_slot + j, self.block_bytes, key,
+                        xxhash.xxh3_128_digest(data[:self.block_bytes]))
+            buffers += [data, footers[j]]
+        _write_all(self.fd, buffers, self.offset(first_slot), self._slots(first_slot, len(keys)))
 
-    def read(self, slot: int, key: bytes, into: memoryview, footer: memoryview) -> None:
-        """Read `slot` into `into` (data_bytes, aligned); DiskError unless it holds `key` with
-        a matching checksum (then `into` holds garbage the caller must not use)."""
-        self._check(slot, key, into)
+    def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
+             footers: Sequence[memoryview]) -> None:
+        """Read consecutive slots from `first_slot` into `intos` (data_bytes each, aligned) in
+        one request; DiskError unless every slot holds its key with a matching checksum (then the
+        `intos` hold garbage the caller must not use)."""
+        self._check(first_slot, keys, intos, footers)
+        what = self._slots(first_slot, len(keys))
+        buffers = [b for pair in zip(intos, footers, strict=False) for b in pair]
         try:
-            n = os.preadv(self.fd, [into, footer], self.offset(slot))
+            n = os.preadv(self.fd, buffers, self.offset(first_slot))
         except OSError as exc:
-            raise DiskError(f"reading slot {slot} of {self.path}: {exc}") from exc
-        if n != self.stride:
-            raise DiskError(f"short read of slot {slot} of {self.path}: {n} of {self.stride} B")
-        found = open_footer(footer, slot)
-        if found is None:
-            raise DiskError(f"slot {slot} of {self.path} has no sound footer")
-        block_bytes, stored_key, checksum = found
-        if stored_key != key or block_bytes != self.block_bytes:
-            raise DiskError(f"slot {slot} of {self.path} holds key {stored_key.hex()} of "
-                            f"{block_bytes} B, not {key.hex()} of {self.block_bytes} B")
-        if xxhash.xxh3_128_digest(into[:self.block_bytes]) != checksum:
-            raise DiskError(f"checksum mismatch in slot {slot} of {self.path} (key {key.hex()})")
+            raise DiskError(f"reading {what} of {self.path}: {exc}") from exc
+        if n != self.stride * len(keys):
+            raise DiskError(f"short read of {what} of {self.path}: {n} of "
+                            f"{self.stride * len(keys)} B")
+        for j, (key, into) in enumerate(zip(keys, intos, strict=True)):
+            slot = first_slot + j
+            found = open_footer(footers[j], slot)
+            if found is None:
+                raise DiskError(f"slot {slot} of {self.path} has no sound footer")
+            block_bytes, stored_key, checksum = found
+            if stored_key != key or block_bytes != self.block_bytes:
+                raise DiskError(f"slot {slot} of {self.path} holds key {stored_key.hex()} of "
+                                f"{block_bytes} B, not {key.hex()} of {self.block_bytes} B")
+            if xxhash.xxh3_128_digest(into[:self.block_bytes]) != checksum:
+                raise DiskError(f"checksum mismatch in slot {slot} of {self.path} (key "
+                                f"{key.hex()})")
 
-    def _check(self, slot: int, key: bytes, data: memoryview) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"disk slot {slot} out of range [0, {self.num_slots})")
-        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
-            raise ValueError(f"a key is 1..{MAX_KEY_BYTES} bytes, got {key!r}")
-        if len(data) != self.data_bytes:
-            raise ValueError(f"a slot's data is {self.data_bytes} B, got {len(data)}")
+    def _check(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
+               footers: Sequence[memoryview]) -> None:
+        if not keys or not len(keys) == len(datas) <= len(footers):
+            raise ValueError(f"{len(keys)} keys, {len(datas)} blocks and {len(footers)} footers "
+                             f"(keys > 0, as many blocks, footers enough)")
+        last = first_slot + len(keys) - 1
+        if not 0 <= first_slot <= last < self.num_slots:
+            bad = first_slot if first_slot < 0 or first_slot >= self.num_slots else last
+            raise ValueError(f"disk slot {bad} out of range [0, {self.num_slots})")
+        for key, data in zip(keys, datas, strict=True):
+            if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
+                raise ValueError(f"a key is 1..{MAX_KEY_BYTES} bytes, got {key!r}")
+            if len(data) != self.data_bytes:
+                raise ValueError(f"a slot's data is {self.data_bytes} B, got {len(data)}")
+
+    @staticmethod
+    def _slots(first_slot: int, count: int) -> str:
+        last = first_slot + count - 1
+        return f"slot {first_slot}" if count == 1 else f"slots {first_slot}-{last}"
 
     def close(self) -> None:
         if self.fd >= 0:
