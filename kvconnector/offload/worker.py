@@ -172,6 +172,12 @@ class OffloadWorker:
         """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
         if self.shared is None or (self.pool is not None and job.pool == self.pool.shared_name):
             return True
+        # Mapped at a job, inside vLLM's step (torch.inference_mode): tensors and views made
+        # there would be inference tensors, which the copy lanes' threads may not write.
+        with torch.inference_mode(False):
+            return self._remap(job)
+
+    def _remap(self, job: TransferJob) -> bool:
         try:
             pool = self.shared.map(job.pool, self._pinned)
         except ValueError:

@@ -53,14 +53,16 @@ class Side:
                                     shared=SharedPart(name, 0))
 
     def step(self, wait: bool = True) -> TransferEvents:
-        """One engine step: plan, loads, stores, (wait), report."""
+        """One engine step: plan, loads, stores, (wait), report; the worker's calls under
+        torch.inference_mode, as vLLM makes them (the segment is mapped there)."""
         jobs = self.last_jobs = self.core.build_step()
-        self.worker.flush(jobs)
-        self.worker.start_loads(jobs)
-        self.worker.submit_stores(jobs)
-        if wait:
-            self.worker.drain()
-        events = self.worker.poll()
+        with torch.inference_mode():
+            self.worker.flush(jobs)
+            self.worker.start_loads(jobs)
+            self.worker.submit_stores(jobs)
+            if wait:
+                self.worker.drain()
+            events = self.worker.poll()
         self.core.complete(self.worker.take_report())
         return events
 
