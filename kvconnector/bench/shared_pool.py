@@ -3,11 +3,13 @@
 A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engine (a spawned
 process with its own cache, its own mapping of the pool and its own connection) stores n random
 blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
-by DMA, straight from the shared slots, checking each block's checksum while the copy runs, as
-an engine does (transfer/shared/checks.py; the writer hashes its blocks before it commits them,
-inside its store time). Rates are held against the same-run ceilings: the load
-against the one-way host -> device copy; both directions at once (the writer storing a second
-set while this process loads the first) against the bidirectional ceiling. Metadata cost per
+by DMA, straight from the shared slots, checking each block's checksum on threads while the copy
+runs, as an engine does (transfer/shared/checks.py). The writer stores a set as WRITER_JOBS
+jobs, as an engine stores one job per request, and hashes each job's blocks once copied while
+the next ones copy: its store time runs until every block is hashed (what a commit needs).
+Rates are held against the same-run ceilings: the load against the one-way host -> device copy;
+both directions at once (the writer storing a second set while this process loads the first)
+against the bidirectional ceiling. Metadata cost per
 block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
 client's side, per block of a batch of n.
 """
@@ -36,6 +38,7 @@ from transfer.shared.daemon import slot_layout
 from transfer.shared.testing import PoolProcess
 
 SHARED_MAX_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}  # per set of blocks
+WRITER_JOBS = 8  # the writer's store of a set, as jobs (an engine stores one per request)
 _TIMEOUT_S = 300.0
 
 
@@ -200,10 +203,17 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
                 raise RuntimeError(f"only {len(plan.keys)} of {n} blocks found a slot")
             if batch == 1 and conn.recv() != "go":
                 return
+            # As an engine's worker stores: one job per request (here WRITER_JOBS), each hashed
+            # once copied, while the next ones copy; timed until every block is hashed.
+            parts = [slice(i, i + -(-n // WRITER_JOBS)) for i in range(0, n, -(-n // WRITER_JOBS))]
             t0, w0 = time.perf_counter(), time.time()
-            engine.submit_store(batch, ids, plan.slots)
-            engine.wait([batch])
-            sums = checker.hash(pool.slots, plan.slots, keys).result()  # what a commit needs
+            for j, part in enumerate(parts):
+                engine.submit_store(2 * j + batch, ids[part], plan.slots[part])
+            hashes = []
+            for j, part in enumerate(parts):
+                engine.wait([2 * j + batch])
+                hashes.append(checker.hash(pool.slots, plan.slots[part], keys[part]))
+            sums = [s for future in hashes for s in future.result()]  # what a commit needs
             t1, w1 = time.perf_counter(), time.time()
             if not all(res.ok for res in engine.get_finished()):
                 raise RuntimeError("a store job failed")
