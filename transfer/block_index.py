@@ -53,10 +53,12 @@ class StorePlan:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """Slots to read `keys` from (same order); the keys stay pinned until complete_load."""
+    """Slots to read `keys` from (same order); the keys stay pinned until complete_load.
+    `sums`: a shared pool's checksums of each key's block, per rank (None: a private pool)."""
 
     keys: list[bytes]
     slots: list[int]
+    sums: list[list[int]] | None = None
 
 
 @dataclass

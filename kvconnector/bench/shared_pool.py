@@ -3,9 +3,13 @@
 A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engine (a spawned
 process with its own cache, its own mapping of the pool and its own connection) stores n random
 blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
-by DMA, straight from the shared slots. Rates are held against the same-run ceilings: the load
-against the one-way host -> device copy; both directions at once (the writer storing a second
-set while this process loads the first) against the bidirectional ceiling. Metadata cost per
+by DMA, straight from the shared slots, checking each block's checksum on threads while the copy
+runs, as an engine does (transfer/shared/checks.py). The writer stores a set as WRITER_JOBS
+jobs, as an engine stores one job per request, and hashes each job's blocks once copied while
+the next ones copy: its store time runs until every block is hashed (what a commit needs).
+Rates are held against the same-run ceilings: the load against the one-way host -> device copy;
+both directions at once (the writer storing a second set while this process loads the first)
+against the bidirectional ceiling. Metadata cost per
 block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
 client's side, per block of a batch of n.
 """
@@ -28,11 +32,13 @@ from kvconnector.layout.allocator import KVBuffer, allocate, shm_free_bytes
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
 from transfer.pool import HostPool
+from transfer.shared.checks import SlotChecker
 from transfer.shared.client import SharedIndex
 from transfer.shared.daemon import slot_layout
 from transfer.shared.testing import PoolProcess
 
 SHARED_MAX_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}  # per set of blocks
+WRITER_JOBS = 8  # the writer's store of a set, as jobs (an engine stores one per request)
 _TIMEOUT_S = 300.0
 
 
@@ -79,6 +85,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                              daemon=True)
         writer.start()
         index = SharedIndex(name, namespace, block_bytes)
+        checker = SlotChecker()
         pool = cache = engine = None
         try:
             store_s = _answer(ours)  # the writer stored set 0
@@ -98,8 +105,12 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                     raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
                 slots = plan.slots
                 engine.submit_load(r, slots, ids)
+                check = checker.verify(pool.slots, slots, keys, [s[0] for s in plan.sums])
                 engine.wait([r])
+                good = check.result()
                 t2 = time.perf_counter()
+                if good != n:
+                    raise RuntimeError(f"block {good} of the writer's failed its checksum")
                 index.complete_load(keys)
                 meta_load.append(t1 - t0 + time.perf_counter() - t2)
                 load_s.append(t2 - t1)
@@ -115,8 +126,12 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             ours.send("go")
             t0 = time.time()
             engine.submit_load(repeats + 1, plan.slots, ids)
+            check = checker.verify(pool.slots, plan.slots, keys, [s[0] for s in plan.sums])
             engine.wait([repeats + 1])
+            good = check.result()
             t1 = time.time()
+            if good != n:
+                raise RuntimeError(f"block {good} of the writer's failed its checksum")
             index.complete_load(keys)
             w0, w1 = _answer(ours)
             ours.send("exit")
@@ -128,6 +143,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                     closing.close()
             if cache is not None:
                 cache.close()
+            checker.close()
             index.close()
     nbytes = n * block_bytes
     return {"block_bytes": block_bytes, "blocks": n,
@@ -135,7 +151,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             "load_gbps": nbytes / statistics.median(load_s[1:]) / 1e9,
             "bidir_gbps": 2 * nbytes / (max(t1, w1) - min(t0, w0)) / 1e9,
             "load_meta_us": statistics.median(meta_load[1:]) / n * 1e6,
-            "store_meta_us": meta_store / n * 1e6}
+            "store_meta_us": meta_store / n * 1e6, "check_threads": checker.threads}
 
 
 def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: int) -> float:
@@ -178,6 +194,7 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
         cache.raw.copy_(torch.randint(0, 256, cache.raw.shape, dtype=torch.uint8,
                                       device=device, generator=g))
         engine = TransferEngine(pool.segments([cache.block_chunks()]))
+        checker = SlotChecker()
         ids = torch.randperm(n).tolist()
         for batch in (0, 1):
             keys = [_key(namespace, batch, i) for i in range(n)]
@@ -186,16 +203,25 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
                 raise RuntimeError(f"only {len(plan.keys)} of {n} blocks found a slot")
             if batch == 1 and conn.recv() != "go":
                 return
+            # As an engine's worker stores: one job per request (here WRITER_JOBS), each hashed
+            # once copied, while the next ones copy; timed until every block is hashed.
+            parts = [slice(i, i + -(-n // WRITER_JOBS)) for i in range(0, n, -(-n // WRITER_JOBS))]
             t0, w0 = time.perf_counter(), time.time()
-            engine.submit_store(batch, ids, plan.slots)
-            engine.wait([batch])
+            for j, part in enumerate(parts):
+                engine.submit_store(2 * j + batch, ids[part], plan.slots[part])
+            hashes = []
+            for j, part in enumerate(parts):
+                engine.wait([2 * j + batch])
+                hashes.append(checker.hash(pool.slots, plan.slots[part], keys[part]))
+            sums = [s for future in hashes for s in future.result()]  # what a commit needs
             t1, w1 = time.perf_counter(), time.time()
             if not all(res.ok for res in engine.get_finished()):
                 raise RuntimeError("a store job failed")
-            index.complete_store(keys, True)
+            index.complete_store(keys, True, [[s] for s in sums])
             index.pool_stats()  # committed before we answer
             conn.send(t1 - t0 if batch == 0 else (w0, w1))
         conn.recv()
+        checker.close()
         engine.close()
         pool.close()
         cache.close()

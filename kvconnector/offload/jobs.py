@@ -20,6 +20,11 @@ class TransferJob:
     those (after the blocks the pool holds). `fail`: the job cannot run (no slot for a fetch,
     no pin); the worker reports it failed at once. `pool`: the shared pool's segment the slots
     belong to ("" for each worker's own pool).
+
+    A shared pool's blocks carry checksums (transfer/shared/checks.py): `checked` are the keys
+    of the job's first len(checked) slots; a store hashes each worker's part of them and reports
+    it (`JobReport.sums`); a load checks each worker's part against `sums` (per block, one
+    checksum per rank) and fails from the first block that differs.
     """
 
     job_id: int
@@ -31,6 +36,8 @@ class TransferJob:
     disk_keys: tuple[bytes, ...] = ()
     disk_slots: tuple[int, ...] = ()
     pool: str = ""
+    checked: tuple[bytes, ...] = ()
+    sums: tuple[tuple[int, ...], ...] = ()
 
     @property
     def fetch_slots(self) -> tuple[int, ...]:
@@ -87,6 +94,8 @@ class JobReport:
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
     disk_write_seconds: float = 0.0
+    sums: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # store -> rank -> sums
+    checksum_failures: int = 0  # loads refused: a shared pool block's checksum differed
 
     def merged(self, other: JobReport) -> JobReport:
         counts = [_summed(a, b) for a, b in ((self.done, other.done), (self.failed, other.failed),
@@ -96,12 +105,16 @@ class JobReport:
         for job_id, keys in other.disk_bad.items():
             bad[job_id] = bad.get(job_id, []) + [k for k in keys if k not in bad.get(job_id, ())]
         totals = [getattr(self, name) + getattr(other, name) for name in _TOTALS]
-        return JobReport(*counts, bad, *totals)
+        sums = {job: dict(ranks) for job, ranks in self.sums.items()}
+        for job_id, ranks in other.sums.items():
+            sums.setdefault(job_id, {}).update(ranks)
+        failures = self.checksum_failures + other.checksum_failures
+        return JobReport(*counts, bad, *totals, sums, failures)
 
     def is_empty(self) -> bool:
         """Nothing to send (a report of disk bytes or bad keys alone is not empty)."""
         return not (self.done or self.failed or self.put or self.spilled or self.disk_bad
-                    or self.disk_read_bytes or self.disk_write_bytes)
+                    or self.disk_read_bytes or self.disk_write_bytes or self.checksum_failures)
 
 
 _TOTALS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "disk_read_bytes",

@@ -29,7 +29,9 @@ With a shared pool (transfer/shared/: `index` a SharedIndex), the daemon's index
 lookup's hits may be evicted by another engine before the load pins them (the load then fails
 and vLLM recomputes), jobs carry the segment their slots live in, and a job planned on a
 connection that is gone (a restarted daemon) completes nothing in the new one (its lease went
-with the connection).
+with the connection). Its blocks carry checksums: every worker hashes its part of a stored
+block (`JobReport.sums`), the store commits with them, and a load hands them to the workers,
+which check their parts (transfer/shared/checks.py).
 
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
@@ -70,6 +72,7 @@ class OffloadCounters:
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
     disk_write_seconds: float = 0.0
+    checksum_failures: int = 0  # loads refused: a shared pool block's checksum differed
     disk_failed_reads: int = 0
     disk_failed_writes: int = 0
     disk_evictions: int = 0
@@ -88,6 +91,8 @@ class _Job:
     failed: bool = False
     fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a read or get
     disk_keys: list[bytes] = field(default_factory=list)  # load: read from disk (pinned there)
+    # a shared pool's store (or fetch): rank -> checksums of the blocks it wrote
+    sums: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +140,7 @@ class OffloadScheduler:
         self.block_size = block_size
         self.num_workers = num_workers
         self.index = index or BlockIndex(namespace, num_slots, policy)
+        self.checked = index is not None  # a shared pool: blocks carry checksums
         # remote: jobs carry keys (write-through puts, fetches); remote_only: the pool is only
         # staging, every key leaves the index once its job is done.
         self.remote = remote or remote_only
@@ -225,6 +231,7 @@ class OffloadScheduler:
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, disk_keys, fetch_keys = [], [], []
         slots, fail = ([], True) if plan is None else (list(plan.slots), False)
+        sums = () if plan is None or not self.checked else tuple(map(tuple, plan.sums))
         disk_slots = []
         if disk_keys or fetch_keys:
             # Read and fetched blocks land in slots reserved as stores: nothing else reads or
@@ -244,7 +251,8 @@ class OffloadScheduler:
         destination = tuple(block_ids[start:start + hit_blocks])
         self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(slots),
                                             tuple(fetch_keys), fail, tuple(disk_keys),
-                                            tuple(disk_slots), self.index.segment))
+                                            tuple(disk_slots), self.index.segment,
+                                            tuple(keys) if sums else (), sums))
         return cpu_blocks, disk_blocks, remote_blocks
 
     def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
@@ -283,7 +291,9 @@ class OffloadScheduler:
                                                  tuple(block_ids[position[k]] for k in plan.keys),
                                                  tuple(plan.slots),
                                                  tuple(plan.keys) if self.remote else (),
-                                                 pool=self.index.segment))
+                                                 pool=self.index.segment,
+                                                 checked=tuple(plan.keys) if self.checked
+                                                 else ()))
 
     def request_preempted(self, req_id: str) -> None:
         """The request's blocks were freed: its stores in flight must finish before the next
@@ -341,6 +351,10 @@ class OffloadScheduler:
         self._counters.load_seconds += report.load_seconds
         self._counters.store_bytes += report.store_bytes
         self._counters.store_seconds += report.store_seconds
+        self._counters.checksum_failures += report.checksum_failures
+        for job_id, ranks in report.sums.items():
+            if job_id in self._jobs:
+                self._jobs[job_id].sums.update(ranks)
         if self.disk is not None and (unpin := self.disk.apply(report)):
             self.index.complete_load(unpin)  # written through: the pool may evict them now
         for counts, failed in ((report.done, False), (report.failed, True)):
@@ -378,7 +392,9 @@ class OffloadScheduler:
         state.jobs.discard(job_id)
         live = job.epoch == self.index.epoch  # else its lease went with an old connection
         if job.is_store:
-            if live:
+            if self.checked and not job.failed:
+                job.failed = self._commit(job.keys, job.sums, live)
+            elif live:
                 self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
             if not job.failed and live and self.disk is not None and self.disk.write_through:
@@ -395,7 +411,9 @@ class OffloadScheduler:
         else:
             if live:
                 self.index.complete_load(job.keys)
-                if job.fetch_keys:
+                if job.fetch_keys and self.checked and not job.failed:
+                    self._commit(job.fetch_keys, job.sums, live)
+                elif job.fetch_keys:
                     self.index.complete_store(job.fetch_keys,
                                               not job.failed and not self.remote_only)
             if job.disk_keys:
@@ -408,6 +426,16 @@ class OffloadScheduler:
                     self.index.discard(job.keys)
                 state.stored_upto = min(state.stored_upto, job.start_block)
         self._forget_if_idle(job.req_id)
+
+    def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
+        """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;
+        True when it failed (a rank's are missing: such a block could never be checked)."""
+        ranks = [by_rank.get(rank) for rank in range(self.num_workers)]
+        failed = any(sums is None or len(sums) != len(keys) for sums in ranks)
+        if live:
+            sums = None if failed else [list(s) for s in zip(*ranks, strict=True)]
+            self.index.complete_store(keys, not failed, sums)
+        return failed
 
     def _forget_if_idle(self, req_id: str) -> None:
         state = self._requests[req_id]

@@ -10,7 +10,9 @@ hands over, finds what lies behind them (kvconnector.layout.recognize) and moves
 
 With a shared pool (`shared`, transfer/shared/): no private pool; the worker maps the segment
 its jobs name (at the first job, and again when a restarted daemon names a new one, after
-finishing every job on the old mapping) and copies into its part of each slot.
+finishing every job on the old mapping) and copies into its part of each slot. Its blocks carry
+checksums (pool_checks.py): a store hashes this worker's part once copied and reports it; a load
+checks it while the copy runs and fails from the first block that differs.
 
 Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
@@ -32,10 +34,12 @@ import torch
 from kvconnector.layout.descriptor import KVForm, KVLayout
 from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
+from kvconnector.offload.pool_checks import PoolChecks
 from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
 from transfer.copy.base import CopyBackend
 from transfer.disk.io import DiskIO, DiskResult
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
+from transfer.engine import TransferResult as CopyResult
 from transfer.keys import DIGEST_BYTES
 from transfer.pool import HostPool
 from transfer.remote.backend import TransferResult as StoreResult
@@ -117,6 +121,9 @@ class OffloadWorker:
         self._doomed: list[TransferJob] = []
         self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
         self.remote_failures = 0  # jobs whose get or put failed (or could not run)
+        self.checks = None if shared is None else PoolChecks(shared.rank)
+        self._rows: torch.Tensor | None = None  # this worker's part of every slot
+        self._copied: list[CopyResult] = []  # loads copied, their checks still running
         if shared is None:
             self._bind(HostPool.create(_byte_layout(self.block_bytes), num_slots=num_slots,
                                        pinned=pinned))
@@ -165,6 +172,7 @@ class OffloadWorker:
             pool.close()
             raise
         self.pool, self.engine = pool, engine
+        self._rows = pool.rows(offset, self.block_bytes)
         if self._make_fetcher is not None:
             self.remote = self._make_fetcher(pool.rows(offset, self.block_bytes))
 
@@ -172,6 +180,12 @@ class OffloadWorker:
         """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
         if self.shared is None or (self.pool is not None and job.pool == self.pool.shared_name):
             return True
+        # Mapped at a job, inside vLLM's step (torch.inference_mode): tensors and views made
+        # there would be inference tensors, which the copy lanes' threads may not write.
+        with torch.inference_mode(False):
+            return self._remap(job)
+
+    def _remap(self, job: TransferJob) -> bool:
         try:
             pool = self.shared.map(job.pool, self._pinned)
         except ValueError:
@@ -240,9 +254,16 @@ class OffloadWorker:
                 self._reads[job.job_id] = None
             self._fetching[job.job_id] = (job, future)
         else:
-            # Submit first: bad input raises before anything is registered here.
-            self.engine.submit_load(job.job_id, job.slots, job.block_ids)
-            self._loads[job.job_id] = (job.req_id, job.block_ids)
+            self._submit_load(job, len(job.slots))
+
+    def _submit_load(self, job: TransferJob, head: int) -> None:
+        """Copy the job's first `head` slots into its first `head` blocks, checking the shared
+        pool's blocks among them while the copy runs."""
+        # Submit first: bad input raises before anything is registered here.
+        self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head])
+        self._loads[job.job_id] = (job.req_id, job.block_ids[:head])
+        if self.checks is not None:
+            self.checks.load_submitted(job, head, self._rows)
 
     def submit_stores(self, step: StepJobs) -> None:
         """After the forward: each store copies after the work queued on the compute stream.
@@ -261,6 +282,8 @@ class OffloadWorker:
     def _submit_store(self, job: TransferJob) -> None:
         # A dropped store (False) still reaches get_finished, as failed: it is registered.
         self.engine.submit_store(job.job_id, job.block_ids, job.slots)
+        if self.checks is not None:  # hashed once copied
+            self.checks.store_submitted(job)
         if job.keys and self.remote is not None:
             self._put_keys[job.job_id] = (job.keys, job.slots)
 
@@ -291,23 +314,16 @@ class OffloadWorker:
         events, self._stash = self._stash, TransferEvents()
         report = self._report
         self._poll_disk()
-        for result in ([] if self.engine is None else self.engine.get_finished()):
+        self._collect_copies()
+        copied, self._copied = self._copied, []
+        for result in copied:
+            if self.checks is not None and not self.checks.ready(result.job_id):
+                self._copied.append(result)  # reported once its checks are done
+                continue
             # A partly fetched load copied its good head; its tail failed in the store.
             tail = self._partial.pop(result.job_id, ())
+            result, tail = self._checked_load(result, tail)
             (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
-            if result.is_store and result.ok and result.job_id in self._put_keys \
-                    and self.remote.writes:
-                # Write-through; reported in `put` once done: the scheduler keeps the slots
-                # pinned until then, so no new store overwrites what zmq still reads.
-                keys, slots = self._put_keys.pop(result.job_id)
-                self._putting[result.job_id] = (self.remote.put(keys, slots), slots)
-            elif self._put_keys.pop(result.job_id, None) is not None:
-                report.put[result.job_id] = 1  # no copy or another rank puts: counted, no put
-            if result.is_store:
-                del self._stores[result.job_id]
-                report.store_bytes += result.nbytes
-                report.store_seconds += result.seconds
-                continue
             req_id, block_ids = self._loads.pop(result.job_id)
             report.load_bytes += result.nbytes
             report.load_seconds += result.seconds
@@ -319,10 +335,63 @@ class OffloadWorker:
                 events.failed_loads.add(req_id)
                 events.failed_block_ids.update(tail)  # vLLM recomputes from the first of them
         self._poll_remote(events)
+        self._poll_hashes()
         storing = set(self._stores.values())
         events.finished_sending = {r for r in self._held if r not in storing}
         self._held -= events.finished_sending
         return events
+
+    def _checked_load(self, result: CopyResult,
+                      tail: tuple[int, ...]) -> tuple[CopyResult, tuple[int, ...]]:
+        """A load whose check found a bad block fails from that block on (vLLM recomputes
+        those); its bytes count only up to it."""
+        if self.checks is None:
+            return result, tail
+        good, sums = self.checks.load_result(result.job_id, result.ok)
+        if sums is not None:
+            self._report.sums[result.job_id] = {self.shared.rank: sums}
+        if good is None:
+            return result, tail
+        self._report.checksum_failures += 1
+        _, block_ids = self._loads[result.job_id]
+        nbytes = result.nbytes * good // len(block_ids)
+        return CopyResult(result.job_id, True, nbytes, result.seconds, False), \
+            tuple(block_ids[good:]) + tail
+
+    def _collect_copies(self) -> None:
+        """Copies that ended: stores go on (hashed, or reported), loads wait in `_copied` for
+        poll (and for their checks)."""
+        for result in [] if self.engine is None else self.engine.get_finished():
+            if result.is_store:
+                self._store_copied(result)
+            else:
+                self._copied.append(result)
+
+    def _store_copied(self, result: CopyResult) -> None:
+        """A store's copy ended: a shared pool's is hashed before it is reported done
+        (`_poll_hashes`), so the scheduler commits it with its checksums."""
+        report, job_id = self._report, result.job_id
+        if self.checks is None or not self.checks.store_copied(job_id, result.ok, self._rows):
+            (report.done if result.ok else report.failed)[job_id] = 1
+            del self._stores[job_id]
+        if result.ok and job_id in self._put_keys and self.remote.writes:
+            # Write-through; reported in `put` once done: the scheduler keeps the slots
+            # pinned until then, so no new store overwrites what zmq still reads.
+            keys, slots = self._put_keys.pop(job_id)
+            self._putting[job_id] = (self.remote.put(keys, slots), slots)
+        elif self._put_keys.pop(job_id, None) is not None:
+            report.put[job_id] = 1  # no copy or another rank puts: counted, no put
+        report.store_bytes += result.nbytes
+        report.store_seconds += result.seconds
+
+    def _poll_hashes(self) -> None:
+        for job_id, sums in [] if self.checks is None else self.checks.hashed():
+            del self._stores[job_id]
+            if sums is None:  # unhashed: never committed
+                self._report.failed[job_id] = 1
+            else:
+                self._report.sums[job_id] = {self.shared.rank: sums}
+                self._report.done[job_id] = 1
 
     def _poll_remote(self, events: TransferEvents) -> None:
         """Fetches done -> their loads start (or fail); puts done -> their stores report."""
@@ -356,8 +425,9 @@ class OffloadWorker:
                 continue
             if head < len(job.block_ids):
                 self._partial[job_id] = job.block_ids[head:]
-            self._loads[job_id] = (job.req_id, job.block_ids[:head])
-            self.engine.submit_load(job_id, job.slots[:head], job.block_ids[:head])
+            elif self.checks is not None:  # all here: they stay in the pool, with checksums
+                self.checks.fetched(job, self._rows)
+            self._submit_load(job, head)
         for job_id, (future, slots) in list(self._putting.items()):
             ok = settled(future)
             if ok is None:
@@ -403,6 +473,9 @@ class OffloadWorker:
                 future.exception()  # waits; store calls are bounded by their deadline
         if self.engine is not None:
             self.engine.wait()
+            self._collect_copies()  # stores copied just now are hashed
+        if self.checks is not None:
+            self.checks.wait()
 
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
@@ -420,6 +493,8 @@ class OffloadWorker:
             self.remote.close()
         if self.disk is not None:
             self.disk.close()
+        if self.checks is not None:
+            self.checks.close()
         if self.pool is not None:
             self.pool.close()
 

@@ -221,7 +221,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes,
             shared=None if not self.options.pool else SharedPart(
-                self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes))
+                self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes,
+                self._vllm_config.parallel_config.rank))
         if self._remote is not None:
             namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
                                                self._vllm_config.parallel_config)

@@ -32,13 +32,14 @@ TIMEOUT_S = 120.0
 
 class Side:
     """One engine over pool `name` (see module doc). `release`: when given, every copy waits
-    until it is set (a copy cut short: the process is killed while it waits)."""
+    until it is set (a copy cut short: the process is killed while it waits). `device`: "cuda"
+    puts the cache on the GPU and copies by DMA (the worker's default backend; no `release`)."""
 
     def __init__(self, name: str, namespace: Namespace = NS,
-                 release: threading.Event | None = None) -> None:
+                 release: threading.Event | None = None, device: str = "cpu") -> None:
         layout = KVLayout(num_layers=3, num_kv_heads=2, head_size=8, block_size=BS,
                           dtype=torch.bfloat16, order="BLNHC")
-        self.cache = allocate(layout, num_blocks=NUM_BLOCKS)
+        self.cache = allocate(layout, num_blocks=NUM_BLOCKS, device=device)
         self.rows = self.cache.block_chunks()
         self.index = SharedIndex(name, namespace, self.rows.shape[1], retry_s=0.0)
         self.core = OffloadScheduler(namespace, self.index.num_slots, BS, 1, index=self.index)
@@ -49,18 +50,20 @@ class Side:
                 raise RuntimeError(f"job {job_id} held too long")
 
         self.worker = OffloadWorker({f"l{i}": v for i, v in enumerate(self.cache.layer_views())},
-                                    0, backend=ThreadBackend(gate),
+                                    0, backend=ThreadBackend(gate) if device == "cpu" else None,
                                     shared=SharedPart(name, 0))
 
     def step(self, wait: bool = True) -> TransferEvents:
-        """One engine step: plan, loads, stores, (wait), report."""
+        """One engine step: plan, loads, stores, (wait), report; the worker's calls under
+        torch.inference_mode, as vLLM makes them (the segment is mapped there)."""
         jobs = self.last_jobs = self.core.build_step()
-        self.worker.flush(jobs)
-        self.worker.start_loads(jobs)
-        self.worker.submit_stores(jobs)
-        if wait:
-            self.worker.drain()
-        events = self.worker.poll()
+        with torch.inference_mode():
+            self.worker.flush(jobs)
+            self.worker.start_loads(jobs)
+            self.worker.submit_stores(jobs)
+            if wait:
+                self.worker.drain()
+            events = self.worker.poll()
         self.core.complete(self.worker.take_report())
         return events
 
@@ -101,13 +104,13 @@ def hashes(tag: str, count: int) -> list[bytes]:
     return [f"{tag}{i}".encode() for i in range(count)]
 
 
-def writer_child(name: str, conn: Connection) -> None:
+def writer_child(name: str, conn: Connection, device: str = "cpu") -> None:
     """An engine that stores on command: ("store", tag, count, seed) stores `count` blocks and
     answers "stored"; ("hold", tag, count, seed) plans the store, writes half of each slot
     (a copy cut short), answers "storing" and never commits; "exit" closes."""
     release = threading.Event()
     release.set()  # cleared by "hold": its copy never runs
-    side = Side(name, release=release)
+    side = Side(name, release=release if device == "cpu" else None, device=device)
     served = 0
     while (command := conn.recv()) != "exit":
         verb, tag, count, seed = command
@@ -136,3 +139,8 @@ def reader_child(name: str, tag: str, count: int, conn: Connection) -> None:
     side.worker.start_loads(side.core.build_step())
     conn.send(hits)
     conn.recv()
+
+
+def gpu_writer_child(name: str, conn: Connection) -> None:
+    """writer_child with its cache on the GPU, copying by DMA."""
+    writer_child(name, conn, "cuda")

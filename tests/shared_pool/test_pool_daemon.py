@@ -120,7 +120,7 @@ def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
     good = PoolClient(pool.name, [NS], 100)
     keys = NS.keys([b"g0"])
     placed = good.request(protocol.PREPARE_STORES, [keys])[0][0]
-    good.notify(protocol.COMPLETE_STORE, placed, [True])
+    good.notify(protocol.COMPLETE_STORE, placed, [True], [[7]])
     bad = socket.socket(socket.AF_UNIX)
     bad.connect(str(pool.path))
     bad.sendall(msgpack.packb([protocol.LOOKUP, keys]))  # before hello
@@ -135,9 +135,17 @@ def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
     with pytest.raises(PoolError):  # a bad notice drops the connection
         rude.notify(protocol.COMPLETE_LOAD, "not a list of keys")
         rude.request(protocol.STATS)
+    rude = PoolClient(pool.name, [NS], 100)
+    unsummed = NS.keys([b"u0"])
+    assert rude.request(protocol.PREPARE_STORES, [unsummed])[0][0] == unsummed
+    with pytest.raises(PoolError):  # a commit without checksums drops it; its store fails
+        rude.notify(protocol.COMPLETE_STORE, unsummed, [True], [None])
+        rude.request(protocol.STATS)
     assert good.request(protocol.LOOKUP, keys) == 1  # unaffected
+    assert good.request(protocol.LOOKUP, unsummed) == 0
+    assert good.request(protocol.CHECKSUMS, keys) == [[7]]
     stats = good.request(protocol.STATS)
-    assert (stats["clients"], stats["stored"]) == (1, 1)
+    assert (stats["clients"], stats["stored"], stats["storing"]) == (1, 1, 0)
     good.close()
 
 

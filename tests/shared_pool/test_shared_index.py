@@ -1,4 +1,5 @@
-"""The daemon's index (in process): leases, namespaces under one capacity, commit checksums."""
+"""The daemon's index (in process): leases, namespaces under one capacity, the checksums each
+block is committed with."""
 
 from __future__ import annotations
 
@@ -11,26 +12,25 @@ A = Namespace(model="a", dtype="bf16", block_size=4, block_layout="x")
 B = Namespace(model="b", dtype="bf16", block_size=4, block_layout="x")
 
 
-def make(num_slots: int = 4) -> tuple[SharedBlockIndex, list[tuple[bytes, int, int]]]:
-    hashed: list[tuple[bytes, int, int]] = []
-
-    def checksum(key: bytes, slot: int, nbytes: int) -> int:
-        hashed.append((key, slot, nbytes))
-        return len(hashed)
-
-    index = SharedBlockIndex(num_slots, 4096, "lru", checksum)
+def make(num_slots: int = 4) -> SharedBlockIndex:
+    index = SharedBlockIndex(num_slots, 4096, "lru")
     index.open(1, [A.digest], 1000)
     index.open(2, [B.digest], 2000)
-    return index, hashed
+    return index
+
+
+def sums(count: int, first: int = 1) -> list[list[int]]:
+    """Per-rank checksums of `count` blocks of a two-rank engine."""
+    return [[first + 2 * i, first + 2 * i + 1] for i in range(count)]
 
 
 def test_a_dead_clients_stores_fail_and_its_pins_drop() -> None:
-    index, _ = make()
+    index = make()
     stored = A.keys([b"s0", b"s1"])
     plan = index.prepare_store(1, stored)
-    index.complete_store(1, plan.keys, [True, True])
-    assert index.prepare_load(1, stored) == plan.slots
-    assert index.prepare_load(1, stored[:1]) == plan.slots[:1]  # pinned twice
+    index.complete_store(1, plan.keys, [True, True], sums(2))
+    assert index.prepare_load(1, stored) == (plan.slots, sums(2))
+    assert index.prepare_load(1, stored[:1]) == (plan.slots[:1], sums(1))  # pinned twice
     storing = index.prepare_store(1, A.keys([b"w0"])).keys
     assert index.index.is_being_stored(storing[0])
     index.release(1)
@@ -42,20 +42,31 @@ def test_a_dead_clients_stores_fail_and_its_pins_drop() -> None:
 
 
 def test_completions_of_what_a_client_does_not_hold_are_ignored() -> None:
-    index, hashed = make()
+    index = make()
     keys = A.keys([b"c0"])
     index.prepare_store(1, keys)
     index.open(3, [A.digest], 1000)  # the same namespace, another connection
-    index.complete_store(3, keys, [True])  # not its store: no effect
+    index.complete_store(3, keys, [True], sums(1, 50))  # not its store: no effect
     index.complete_load(3, keys)
-    assert index.index.is_being_stored(keys[0]) and not hashed
-    index.complete_store(1, keys, [True])
-    assert hashed == [(keys[0], index.index.slot_of(keys[0]), 1000)]
-    assert index.checksums(1, keys) == [1]
+    assert index.index.is_being_stored(keys[0]) and index.checksums(1, keys) == [None]
+    index.complete_store(1, keys, [True], sums(1))
+    assert index.checksums(1, keys) == sums(1)
+
+
+@pytest.mark.parametrize("bad", [None, [], ["1"], [-1], [1 << 64], [True]])
+def test_a_commit_without_valid_checksums_changes_nothing(bad: object) -> None:
+    index = make()
+    keys = A.keys([b"n0", b"n1"])
+    index.prepare_store(1, keys)
+    with pytest.raises(ValueError, match="committed without its per-rank xxh3-64 checksums"):
+        index.complete_store(1, keys, [True, True], [[5], bad])
+    assert all(index.index.is_being_stored(key) for key in keys)  # the first was not committed
+    index.complete_store(1, keys, [False, False], [None, None])  # a failed store needs none
+    assert index.lookup(1, keys) == 0 and index.index.num_free == 4
 
 
 def test_foreign_keys_and_oversized_blocks_are_refused() -> None:
-    index, _ = make()
+    index = make()
     with pytest.raises(ValueError, match="not of a namespace this client declared"):
         index.lookup(1, B.keys([b"f"]))
     with pytest.raises(ValueError, match="--slot-bytes 5000 or more"):
@@ -65,14 +76,14 @@ def test_foreign_keys_and_oversized_blocks_are_refused() -> None:
 
 
 def test_namespaces_share_the_capacity_and_clear_only_their_own() -> None:
-    index, _ = make(num_slots=3)
+    index = make(num_slots=3)
     for client, ns in ((1, A), (2, B)):
         plan = index.prepare_store(client, ns.keys([b"k0"]))
-        index.complete_store(client, plan.keys, [True])
+        index.complete_store(client, plan.keys, [True], sums(1))
     # One free slot, one eviction: the least recently used block of either model.
     plan = index.prepare_store(1, A.keys([b"k1", b"k2"]))
     assert plan.evicted == A.keys([b"k0"])
-    index.complete_store(1, plan.keys, [True, True])
+    index.complete_store(1, plan.keys, [True, True], sums(2))
     assert index.prepare_load(1, A.keys([b"k0"])) is None  # gone: a load pins nothing
     index.clear(1)
     assert index.lookup(1, A.keys([b"k1", b"k2"])) == 0 and index.lookup(2, B.keys([b"k0"])) == 1

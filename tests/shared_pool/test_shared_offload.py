@@ -29,6 +29,7 @@ from pool_sides import (
     writer_child,
 )
 
+from transfer.pool import HostPool
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
@@ -112,9 +113,9 @@ def test_blocks_stored_by_one_process_load_bit_exact_in_another(pool: PoolProces
         assert events.finished_loads == {"r"} and not events.failed_loads
         assert_loaded(reader, [11, 3, 14, 7, 9], want)
         assert all(bool((reader.rows[b] == POISON).all()) for b in (0, 1, 2))  # untouched
-        # Each block carries the checksum the daemon took at commit, bound to its key.
+        # Each block carries the checksum its writer took (one rank: one), bound to its key.
         keys = NS.keys(hashes("p", 5))
-        assert reader.index.checksums(keys) == [block_checksum(w.numpy(), k)
+        assert reader.index.checksums(keys) == [[block_checksum(w.numpy(), k)]
                                                 for w, k in zip(want, keys, strict=True)]
         writer.exit()
         # The writer is gone; its blocks stay: a restarted engine finds its prefix.
@@ -126,6 +127,38 @@ def test_blocks_stored_by_one_process_load_bit_exact_in_another(pool: PoolProces
             restarted.close()
         # Left: the reader and this query.
         assert wait_for(pool.name, pinned=0, storing=0, stored=5)["clients"] == 2
+    finally:
+        writer.kill()
+        reader.close()
+
+
+def test_a_slot_flipped_after_its_commit_is_never_loaded(pool: PoolProcess) -> None:
+    writer = Child(writer_child, pool.name)
+    reader = Side(pool.name)
+    try:
+        assert writer.ask(("store", "c", 4, 11)) == "stored"
+        want = expected_rows(11, 4, reader.rows.shape[1])
+        keys = NS.keys(hashes("c", 4))
+        plan = reader.index.prepare_load(keys[2:3])  # where the third block lives
+        reader.index.complete_load(keys[2:3])
+        segment = HostPool.attach(reader.index.segment, pinned=False)
+        segment.slots[plan.slots[0], 100] ^= 0x01  # one bit, through the shared segment
+        segment.close()
+        blocks = [12, 4, 9, 1]
+        hits, events = reader.load("r", hashes("c", 4), blocks)
+        assert hits == 4  # the index cannot know: the load's check does
+        assert events.finished_loads == events.failed_loads == {"r"}
+        assert events.failed_block_ids == {9, 1}  # vLLM recomputes from the flipped block on
+        assert_loaded(reader, [12, 4], want[:2])  # the head before it is good and kept
+        counters = reader.core.take_counters()
+        assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
+        assert counters.load_bytes == 2 * reader.rows.shape[1]
+        # The failed load's keys leave the pool, so the recomputed blocks are stored again.
+        assert reader.core.lookup("q", hashes("c", 4), 0, 100) == 0
+        assert writer.ask(("store", "c", 4, 11)) == "stored"
+        assert reader.load("r2", hashes("c", 4), blocks)[1].failed_loads == set()
+        assert_loaded(reader, blocks, want)
+        assert reader.core.take_counters().checksum_failures == 0
     finally:
         writer.kill()
         reader.close()

@@ -188,20 +188,26 @@ class SharedIndex:
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
         return plans
 
-    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
+    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool],
+                       sums: Sequence[Sequence[int] | None] | None = None) -> None:
+        """Commit the stores; every ok key needs its block's per-rank checksums in `sums`
+        (transfer/shared/checks.py): the daemon drops a client that commits one without."""
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
         self._stats.stores += sum(flags)
         self._stats.failed_stores += len(flags) - sum(flags)
         if keys:
-            self._notice(p.COMPLETE_STORE, list(keys), flags)
+            sums = [None] * len(keys) if sums is None else [None if s is None else list(s)
+                                                            for s in sums]
+            self._notice(p.COMPLETE_STORE, list(keys), flags, sums)
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan | None:
-        """Slots of the keys, pinned; None when one of them is gone (evicted by another engine
-        since the lookup) or the daemon is: the caller's load fails, vLLM recomputes."""
+        """Slots of the keys, pinned, with their per-rank checksums; None when one of them is
+        gone (evicted by another engine since the lookup) or the daemon is: the caller's load
+        fails, vLLM recomputes."""
         if not keys:
-            return LoadPlan([], [])
-        slots = self._call(p.PREPARE_LOAD, list(keys), default=None)
-        return None if slots is None else LoadPlan(list(keys), slots)
+            return LoadPlan([], [], [])
+        answer = self._call(p.PREPARE_LOAD, list(keys), default=None)
+        return None if answer is None else LoadPlan(list(keys), answer[0], answer[1])
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if keys:
@@ -215,8 +221,9 @@ class SharedIndex:
         """Drop this namespace's keys from the pool (other models' stay)."""
         self._notice(p.CLEAR)
 
-    def checksums(self, keys: Sequence[bytes]) -> list[int | None]:
-        """The xxh3-64 each block got when committed (None: not stored, or no daemon)."""
+    def checksums(self, keys: Sequence[bytes]) -> list[list[int] | None]:
+        """The per-rank xxh3-64s each block was committed with (None: not stored, or no
+        daemon)."""
         return self._call(p.CHECKSUMS, list(keys), default=[None] * len(keys))
 
     def pool_stats(self) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
 """The shared pool's daemon: owns the segment and the index, answers its clients.
 
-One thread, one `selectors` loop: requests are short (index work and, on commit, one hash per
-block), so clients are served in turn. Every client is a unix-socket connection of this uid; its
-lease goes with the connection (SharedBlockIndex.release on EOF or any error).
+One thread, one `selectors` loop: requests are short (index work only: writers send their
+blocks' checksums with the commit, readers check them), so clients are served in turn. Every
+client is a unix-socket connection of this uid; its lease goes with the connection
+(SharedBlockIndex.release on EOF or any error).
 
 Start: a live daemon of the same name is refused; a stale socket or segment (a killed daemon's)
 is removed first. Each start makes a segment with a new name, so an engine that mapped the old
@@ -25,7 +26,6 @@ import msgpack
 
 from kvconnector.layout.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVForm, KVLayout
-from transfer.remote.backend import block_checksum
 from transfer.shared import protocol as p
 from transfer.shared.index import SharedBlockIndex
 
@@ -60,9 +60,8 @@ class PoolDaemon:
         segment = p.segment_prefix(name) + secrets.token_hex(8)
         self.buffer: KVBuffer = allocate(slot_layout(slot_bytes), budget_bytes=capacity,
                                          shared_name=segment)
-        self.slots = self.buffer.block_chunks().numpy()
         self.info = p.PoolInfo(segment, self.buffer.num_blocks, slot_bytes)
-        self.index = SharedBlockIndex(self.info.num_slots, slot_bytes, policy, self._checksum)
+        self.index = SharedBlockIndex(self.info.num_slots, slot_bytes, policy)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_mask = os.umask(0o177)  # the socket is created 0600
         try:
@@ -76,9 +75,6 @@ class PoolDaemon:
         self._next_id = 0
         self._running = True
         self.refused = 0  # connections of another uid
-
-    def _checksum(self, key: bytes, slot: int, nbytes: int) -> int:
-        return block_checksum(self.slots[slot, :nbytes], key)
 
     def _remove_stale(self) -> None:
         if self.path.exists():
@@ -187,7 +183,7 @@ class PoolDaemon:
 
     def _notice(self, client: int, verb: str, args: list[Any]) -> None:
         if verb == p.COMPLETE_STORE:
-            self.index.complete_store(client, args[0], args[1])
+            self.index.complete_store(client, args[0], args[1], args[2])
         elif verb == p.COMPLETE_LOAD:
             self.index.complete_load(client, args[0])
         elif verb == p.DISCARD:

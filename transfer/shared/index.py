@@ -7,15 +7,16 @@ and completes only what it holds (a completion for anything else, e.g. of a conn
 before a reconnect, is ignored). When a client goes (its socket closed: exit, SIGKILL), `release`
 fails its stores (their slots were being written: never readable) and drops its pins.
 
-Checksums: on commit the daemon takes each block's xxh3-64, seeded by its key as the remote tier
-does (block_checksum), so a block carries its checksum and namespace to
-whoever reads it or a tier below.
+Checksums: a writer commits each block with the xxh3-64 of every rank's part of its slot, seeded
+by its key as the remote tier does (transfer/shared/checks.py); the index keeps them and hands
+them out with the slots a load pins, so every reader checks its part before the load is
+reported. The daemon never hashes (its loop would cap commits near one core's hash rate).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transfer.block_index import BlockIndex, StorePlan
@@ -34,15 +35,12 @@ class Lease:
 
 
 class SharedBlockIndex:
-    """Keys of several namespaces -> slots of one pool; `checksum(key, slot, nbytes)` hashes the
-    first `nbytes` of a slot."""
+    """Keys of several namespaces -> slots of one pool, with the checksums of their blocks."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, policy: str,
-                 checksum: Callable[[bytes, int, int], int]) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, policy: str) -> None:
         self.index = BlockIndex(None, num_slots, policy)
         self.slot_bytes = slot_bytes
-        self._checksum = checksum
-        self._sums: dict[bytes, int] = {}  # stored keys -> checksum taken at commit
+        self._sums: dict[bytes, list[int]] = {}  # stored keys -> per-rank checksums at commit
         self.leases: dict[int, Lease] = {}  # client id -> its lease
 
     def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
@@ -84,33 +82,41 @@ class SharedBlockIndex:
         self.leases[client].storing.update(plan.keys)
         return plan
 
-    def prepare_load(self, client: int, keys: Sequence[bytes]) -> list[int] | None:
-        """Pin every key and return their slots, or pin nothing and return None when one is not
-        stored (evicted or removed since the client's lookup: the client's load fails)."""
+    def prepare_load(self, client: int, keys: Sequence[bytes]) -> tuple[list[int],
+                                                                        list[list[int]]] | None:
+        """Pin every key and return their slots and checksums, or pin nothing and return None
+        when one is not stored (evicted or removed since the client's lookup: its load fails)."""
         keys = self._own(client, keys)
         try:
             plan = self.index.prepare_load(keys)  # checks every key before it pins any
         except ValueError:
             return None
         self.leases[client].pins.update(keys)
-        return plan.slots
+        return plan.slots, [self._sums[key] for key in keys]
 
-    def checksums(self, client: int, keys: Sequence[bytes]) -> list[int | None]:
+    def checksums(self, client: int, keys: Sequence[bytes]) -> list[list[int] | None]:
         return [self._sums.get(key) for key in self._own(client, keys)]
 
     # ---- notices -------------------------------------------------------------------------
 
-    def complete_store(self, client: int, keys: Sequence[bytes], flags: Sequence[bool]) -> None:
+    def complete_store(self, client: int, keys: Sequence[bytes], flags: Sequence[bool],
+                       sums: Sequence[Sequence[int] | None]) -> None:
+        """Commit (or fail) the client's stores; each ok key with its per-rank checksums."""
         lease = self.leases[client]
-        if len(flags) != len(keys):
-            raise ValueError(f"{len(flags)} ok flags for {len(keys)} keys")
-        held = [(key, bool(ok)) for key, ok in zip(self._own(client, keys), flags, strict=True)
-                if key in lease.storing]
-        for key, ok in held:
+        if not len(flags) == len(sums) == len(keys):
+            raise ValueError(f"{len(flags)} ok flags and {len(sums)} checksum lists for "
+                             f"{len(keys)} keys")
+        held = []
+        for key, ok, block_sums in zip(self._own(client, keys), flags, sums, strict=True):
+            if ok:
+                _check_sums(key, block_sums)  # before anything changes: a bad notice drops it
+            if key in lease.storing:
+                held.append((key, bool(ok), block_sums))
+        for key, ok, block_sums in held:
             lease.storing.discard(key)
             if ok:
-                self._sums[key] = self._checksum(key, self.index.slot_of(key), lease.entry_bytes)
-        self.index.complete_store([k for k, _ in held], [ok for _, ok in held])
+                self._sums[key] = list(block_sums)
+        self.index.complete_store([k for k, *_ in held], [ok for _, ok, _ in held])
 
     def complete_load(self, client: int, keys: Sequence[bytes]) -> None:
         lease = self.leases[client]
@@ -141,3 +147,10 @@ class SharedBlockIndex:
                 raise ValueError(f"key {key!r} is not of a namespace this client declared")
             out.append(key)
         return out
+
+
+def _check_sums(key: bytes, sums: object) -> None:
+    if not isinstance(sums, list | tuple) or not sums or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1 << 64 for s in sums):
+        raise ValueError(f"key {key!r} committed without its per-rank xxh3-64 checksums: "
+                         f"{sums!r:.80}")

@@ -16,15 +16,19 @@ from transfer.shared.protocol import check_name, segment_prefix
 
 @dataclass(frozen=True)
 class SharedPart:
-    """This worker's bytes [offset, offset + the block's bytes) of every slot of pool `name`."""
+    """This worker's bytes [offset, offset + the block's bytes) of every slot of pool `name`;
+    `rank`: its place in each block's per-rank checksums."""
 
     name: str
     offset: int
+    rank: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.name)
         if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
             raise ValueError(f"offset must be a non-negative int, got {self.offset!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
 
     def map(self, segment: str, pinned: bool | None) -> HostPool:
         """Map `segment`, which must be one of this pool's (ValueError otherwise or if gone)."""

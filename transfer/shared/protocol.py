@@ -21,10 +21,11 @@ from pathlib import Path
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
 PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields, in order
-PREPARE_LOAD = "prepare_load"  # (keys) -> slots, all pinned; None when one is not stored
-CHECKSUMS = "checksums"  # (keys) -> per key: the xxh3-64 taken at commit, or None
+PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, per-rank checksums], all pinned; None when
+#                                one is not stored
+CHECKSUMS = "checksums"  # (keys) -> per key: the per-rank xxh3-64s it was committed with, or None
 STATS = "stats"  # () -> dict
-COMPLETE_STORE = "complete_store"  # notice (keys, ok flags)
+COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its per-rank checksums)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces

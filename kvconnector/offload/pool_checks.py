@@ -1,0 +1,98 @@
+"""A worker's checksums of a shared pool's blocks, job by job (transfer/shared/checks.py).
+
+A store is hashed once its copy is done and reported with its checksums (the scheduler commits
+it with every rank's); a load is checked on threads while its copy runs and reported once both
+are done; blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in
+the pool with their checksums. This worker's part of every slot is `rows`; its checksum is entry
+`rank` of each block's per-rank list.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from kvconnector.offload.jobs import TransferJob
+from transfer.shared.checks import SlotChecker
+
+
+class PoolChecks:
+    """The checks of one worker of rank `rank` (see module doc)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.checker = SlotChecker()
+        self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
+        self._hashing: dict[int, Future[list[int]]] = {}  # store copied -> its checksums
+        self._loads: dict[int, tuple[Future[int], int]] = {}  # load -> good blocks, checked
+        self._fetched: dict[int, Future[list[int]]] = {}  # load -> its fetched blocks' sums
+
+    # ---- stores ---------------------------------------------------------------------------
+
+    def store_submitted(self, job: TransferJob) -> None:
+        if job.checked:
+            self._stores[job.job_id] = (job.checked, job.slots)
+
+    def store_copied(self, job_id: int, ok: bool, rows: torch.Tensor) -> bool:
+        """True when the store is being hashed now (reported by `hashed`); False: report it."""
+        checked = self._stores.pop(job_id, None)
+        if not ok or checked is None:
+            return False
+        keys, slots = checked
+        self._hashing[job_id] = self.checker.hash(rows, slots, keys)
+        return True
+
+    def hashed(self) -> list[tuple[int, list[int] | None]]:
+        """Stores hashed since the last call: (job, checksums; None when hashing failed)."""
+        out = []
+        for job_id, future in list(self._hashing.items()):
+            if future.done():
+                del self._hashing[job_id]
+                out.append((job_id, None if future.exception() else future.result()))
+        return out
+
+    # ---- loads ----------------------------------------------------------------------------
+
+    def load_submitted(self, job: TransferJob, head: int, rows: torch.Tensor) -> None:
+        """The job's first `head` slots are being copied: check the pool's blocks among them."""
+        checked = min(head, len(job.checked))
+        if checked:
+            sums = [s[self.rank] if self.rank < len(s) else None for s in job.sums[:checked]]
+            self._loads[job.job_id] = (self.checker.verify(
+                rows, job.slots[:checked], job.checked[:checked], sums), checked)
+
+    def fetched(self, job: TransferJob, rows: torch.Tensor) -> None:
+        """Every block the job fetched is in its slot: hash them for their commit."""
+        self._fetched[job.job_id] = self.checker.hash(rows, job.fetch_slots,
+                                                      job.disk_keys + job.keys)
+
+    def ready(self, job_id: int) -> bool:
+        """Whether the load's checks are done (it is reported only then)."""
+        check, fetched = self._loads.get(job_id), self._fetched.get(job_id)
+        return (check is None or check[0].done()) and (fetched is None or fetched.done())
+
+    def load_result(self, job_id: int, copied: bool) -> tuple[int | None, list[int] | None]:
+        """(leading good blocks when a check failed, else None; the fetched blocks' checksums
+        when the copy and their hashing succeeded, else None)."""
+        check, fetched = self._loads.pop(job_id, None), self._fetched.pop(job_id, None)
+        sums = None
+        if fetched is not None and copied and fetched.exception() is None:
+            sums = fetched.result()
+        if check is None or not copied:
+            return None, sums
+        future, checked = check
+        # A check that could not run proves nothing: its blocks are refused.
+        good = 0 if future.exception() is not None else future.result()
+        return (None if good == checked else good), sums
+
+    # ---- lifetime -------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every hash and check started is done."""
+        for future in [*self._hashing.values(), *self._fetched.values(),
+                       *(f for f, _ in self._loads.values())]:
+            future.exception()
+
+    def close(self) -> None:
+        self.checker.close()

@@ -1,0 +1,84 @@
+"""The shared pool on a GPU: two processes, each its own GPU cache, one pool between them,
+through the connector's cores (the worker's DMA path: its default copy backend, a pinned
+mapping). Blocks stored by one load bit-exact in the other; a slot flipped after its commit is
+refused while the copy runs, and vLLM's recompute is asked from that block on. The same test
+runs on CPU caches (thread copies) everywhere, the GPU case under the `gpu` marker.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from pool_sides import (
+    NS,
+    POISON,
+    TIMEOUT_S,
+    Side,
+    fill,
+    gpu_writer_child,
+    hashes,
+    writer_child,
+)
+
+from transfer.pool import HostPool
+from transfer.shared.testing import PoolProcess
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=[
+               pytest.mark.gpu,
+               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[PoolProcess]:
+    with PoolProcess(tmp_path / "pool.log", f"g{uuid.uuid4().hex[:10]}", capacity="64KiB",
+                     slot_bytes="4KiB") as process:
+        yield process
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
+                                                             device: str) -> None:
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    target = gpu_writer_child if device == "cuda" else writer_child
+    writer = ctx.Process(target=target, args=(pool.name, theirs), daemon=True)
+    writer.start()
+    reader = Side(pool.name, device=device)
+    try:
+        ours.send(("store", "g", 4, 21))
+        assert ours.poll(TIMEOUT_S) and ours.recv() == "stored"
+        want = fill(torch.empty(4, reader.rows.shape[1], dtype=torch.uint8), [0, 1, 2, 3], 21)
+        blocks = [13, 2, 7, 5]
+        reader.rows.fill_(POISON)
+        hits, events = reader.load("r", hashes("g", 4), blocks)
+        assert hits == 4 and events.finished_loads == {"r"} and not events.failed_loads
+        for block, data in zip(blocks, want, strict=True):
+            assert torch.equal(reader.rows[block].cpu(), data), f"block {block} differs"
+        assert bool((reader.rows[[0, 1, 3]] == POISON).all())  # untouched
+        assert reader.worker.pool.pinned == (device == "cuda")
+
+        # One bit of the second block's slot flipped through the segment, after its commit.
+        keys = NS.keys(hashes("g", 4))
+        plan = reader.index.prepare_load(keys[1:2])
+        reader.index.complete_load(keys[1:2])
+        segment = HostPool.attach(reader.index.segment, pinned=False)
+        segment.slots[plan.slots[0], 5] ^= 0x10
+        segment.close()
+        hits, events = reader.load("s", hashes("g", 4), blocks)
+        assert hits == 4
+        assert events.finished_loads == events.failed_loads == {"s"}
+        assert events.failed_block_ids == {2, 7, 5}  # recomputed from the flipped block on
+        assert torch.equal(reader.rows[13].cpu(), want[0])
+        counters = reader.core.take_counters()
+        assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
+        ours.send("exit")
+        writer.join(TIMEOUT_S)
+        assert writer.exitcode == 0
+    finally:
+        writer.kill()
+        reader.close()
