@@ -23,6 +23,7 @@ store full and evicting, its steady state.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -57,6 +58,7 @@ from transfer.remote.store.lanes import default_connections
 from transfer.remote.store.security import Security
 from transfer.remote.store.server import DEFAULT_IO_THREADS
 from transfer.remote.store.testing import StoreProcess
+from transfer.remote.store.workers import DEFAULT_WORKERS
 
 BLOCK = 2 << 20
 NS = Namespace("bench-remote", "bfloat16", 16, "2MiB blocks")
@@ -194,11 +196,11 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
 
 
 def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
-             log: Path) -> list[dict[str, Any]]:
-    """Put and get GB/s of the store and the baseline for one mode, client and connection
-    count."""
+             log: Path, workers: int) -> list[dict[str, Any]]:
+    """Put and get GB/s of the store (of `workers` processes) and the baseline for one mode,
+    client and connection count."""
     capacity = 2 * clients * blocks * BLOCK  # two trials' worth: the warm-up fills it
-    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS))
+    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS), "--workers", str(workers))
     store = StoreProcess(log, capacity=str(capacity),
                          security_args=tuple(security_args(setup.server)), extra_args=io_threads)
     with RawServerProcess(setup.server, capacity, DEFAULT_IO_THREADS) as baseline, store:
@@ -210,7 +212,8 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
         # each store trial against the baseline trial run next to it, under the same load
         ratios = [r / s for s, r in zip(store_s, raw_s, strict=True)]
         rows.append({"security": setup.mode, "clients": clients, "connections": connections,
-                     "op": op, "store_gbps": total / statistics.median(store_s) / 1e9,
+                     "workers": workers, "op": op,
+                     "store_gbps": total / statistics.median(store_s) / 1e9,
                      "baseline_gbps": total / statistics.median(raw_s) / 1e9,
                      "ratio": statistics.median(ratios), "trial_ratios": ratios,
                      "bytes_per_trial": total, "store_seconds": store_s,
@@ -220,7 +223,8 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
 
 def _print_row(row: dict[str, Any]) -> None:
     iperf = "-" if row["iperf3_gbps"] is None else f"{row['iperf3_gbps']:.2f}"
-    print(f"{row['security']:<8} {row['clients']:>7} {row['connections']:>5} {row['op']:<4} "
+    print(f"{row['security']:<8} {row['clients']:>7} {row['connections']:>5} "
+          f"{row['workers']:>7} {row['op']:<4} "
           f"{row['store_gbps']:>10.2f} {row['baseline_gbps']:>9.2f} {row['ratio']:>6.2f} "
           f"{min(row['trial_ratios']):>9.2f}-{max(row['trial_ratios']):.2f} {iperf:>7}",
           flush=True)
@@ -260,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="connections per client, e.g. 1,4 (default: the store client's, "
                              f"here {default_connections()})")
     parser.add_argument("--clients", type=_ints, default=[1, 4], help="client processes")
+    parser.add_argument("--workers", type=_ints, default=[DEFAULT_WORKERS],
+                        help="store worker processes, e.g. 1,4 (default: the store's, here "
+                             f"{DEFAULT_WORKERS})")
     parser.add_argument("--security", type=_modes, default=["none", "secret", "curve"])
     args = parser.parse_args(argv)
     if args.trials < 1 or args.blocks < max(args.clients):
@@ -268,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     ceilings = {}
     # the trials' spread too: on a busy machine one trial's ratio can be far off the median
-    print(f"{'security':<8} {'clients':>7} {'conns':>5} {'op':<4} {'store GB/s':>10} "
+    print(f"{'security':<8} {'clients':>7} {'conns':>5} {'workers':>7} {'op':<4} "
+          f"{'store GB/s':>10} "
           f"{'raw GB/s':>9} {'ratio':>6} {'trials min-max':>14} {'iperf3':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         for clients in args.clients:
@@ -276,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                 ceilings[clients * connections] = iperf3_gbps(clients * connections)
         for setup in securities(Path(tmp), args.security):
             for clients in args.clients:
-                for connections in args.connections:
+                for connections, workers in itertools.product(args.connections, args.workers):
                     measured = run_mode(setup, clients, connections, args.blocks // clients,
-                                        args.trials, Path(tmp) / f"store-{setup.mode}.log")
+                                        args.trials, Path(tmp) / f"store-{setup.mode}.log",
+                                        workers)
                     for row in measured:  # as they come: a long run shows its progress
                         row["iperf3_gbps"] = ceilings[clients * connections]
                         _print_row(row)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,11 +43,12 @@ class Exchange:
     # the header, or a function building it just before the send (a put computes its checksums
     # then, overlapping the frames already on their way)
     header: bytes | Callable[[], bytes]
-    indices: range = range(0)  # the caller's positions of the request's keys
+    indices: Sequence[int] = ()  # the caller's positions of the request's keys
     frames: list[Any] = field(default_factory=list)  # buffers sent zero-copy after the header
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     deadline: float = 0.0
     error: str = ""  # set when no usable reply came
+    shard: int = 0  # the store worker it goes to (transfer.remote.store.shards)
 
 
 # takes a reply to one of its requests and reads the reply's block frames from the connection
