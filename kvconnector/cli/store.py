@@ -57,8 +57,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--workers", type=_positive_int, default=DEFAULT_WORKERS,
                        help="processes serving the store, the keys split among them by hash, "
                             "each with its share of the capacity; the first listens on "
-                            "--listen, the others on free ports of the same host (default: a "
-                            f"quarter of the cores, 1 to 4; here {DEFAULT_WORKERS})")
+                            "--listen, the others on free ports of the same host (default: half "
+                            f"the cores, at most 8, one on 2 cores; here {DEFAULT_WORKERS})")
     _add_security_options(serve, server=True)
     serve.set_defaults(func=_serve)
     stats = commands.add_parser("stats", help="print a store's counters as JSON")

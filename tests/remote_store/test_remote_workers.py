@@ -28,7 +28,7 @@ from transfer.remote.store.protocol import (
 from transfer.remote.store.security import Security
 from transfer.remote.store.shards import shard_of, split, sum_stats, worker_urls
 from transfer.remote.store.testing import RawPeer, StoreProcess
-from transfer.remote.store.workers import worker_settings
+from transfer.remote.store.workers import default_workers, worker_settings
 
 BLOCK = 64 << 10
 COUNT = 96
@@ -94,6 +94,7 @@ def test_keys_split_by_hash_and_answers_combine() -> None:
 
 
 def test_worker_settings_split_the_store() -> None:
+    assert [default_workers(cores) for cores in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 8, 8]
     limits = Limits()
     first, *others = worker_settings("tcp://0.0.0.0:7000", 1000, NONE, workers=4, io_threads=8,
                                      verify_threads=4, buffer_budget_bytes=8 << 30)
