@@ -48,8 +48,7 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--buffer-budget", type=_size_arg,
                        help="what zmq may hold for all connections together before the peer "
                             "holding the most is dropped (default: 256MiB or four of the "
-                            "largest requests, whichever is more; split over the workers, "
-                            "at least one largest request each)")
+                            "largest requests, whichever is more; each worker its own)")
     serve.add_argument("--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS,
                        help="zmq IO threads in all, split over the workers: connections are "
                             "received and sent in parallel over them (default: half the "

@@ -16,6 +16,7 @@ import torch
 
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
+from transfer.remote.store.admission import buffer_budget
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
@@ -102,11 +103,12 @@ def test_worker_settings_split_the_store() -> None:
     assert [s.listen for s in others] == ["tcp://0.0.0.0:*"] * 3
     assert [s.shard for s in others] == [(1, 4), (2, 4), (3, 4)]
     assert {(s.capacity_bytes, s.io_threads, s.verify_threads, s.buffer_budget_bytes)
-            for s in (first, *others)} == {(250, 2, 1, 2 << 30)}
-    # a budget share is never below the largest request
-    eight = worker_settings("tcp://127.0.0.1:*", 1 << 30, NONE, workers=8)
-    assert {s.buffer_budget_bytes for s in eight} == {limits.max_request_bytes}
-    assert {s.io_threads for s in eight} >= {1}
+            for s in (first, *others)} == {(250, 2, 1, 8 << 30)}
+    # each worker the whole budget (one connection may hold four of the largest requests)
+    eight = worker_settings("tcp://127.0.0.1:*", 1 << 30, NONE, workers=8, io_threads=8,
+                            verify_threads=4)
+    assert {s.buffer_budget_bytes for s in eight} == {buffer_budget(limits)}
+    assert {(s.io_threads, s.verify_threads) for s in eight} == {(1, 0)}  # puts checked inline
     assert worker_settings("tcp://[::1]:5", 10, NONE, workers=2)[1].listen == "tcp://[::1]:*"
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match=rf"workers must be an int >= 1, got {bad!r}"):

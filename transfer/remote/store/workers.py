@@ -3,9 +3,11 @@
 One process serves its requests on one Python thread (the GIL), and with many connections that
 thread was the limit, not the network (docs/benchmarks.md, "Several workers"). So the store can
 run N processes, each a whole StoreServer for the keys that hash to it
-(transfer.remote.store.shards): its own index, a 1/N share of the capacity, of the IO and
-verifier threads and of the buffer budget (at least one largest request each), its own
-admission limits and port. The first worker runs in this process on the store's address; the
+(transfer.remote.store.shards): its own index, a 1/N share of the capacity and of the IO and
+verifier threads, its own port and admission limits, with the whole buffer budget each (one
+connection alone may hold four of the largest requests: a share of the budget dropped
+well-behaved clients' connections, seen with 16 MiB puts over 8 workers), so what zmq holds in
+all stays under N budgets. The first worker runs in this process on the store's address; the
 others are spawned, listen on free ports of the same host and exit when this process does
 (also when it is killed: each watches a pipe from it). The first worker's `ping` reply names
 every worker's port; clients send each key straight to its worker.
@@ -70,8 +72,8 @@ def worker_settings(listen: str, capacity_bytes: int, security: Security, *, wor
                     limits: Limits | None = None, buffer_budget_bytes: int | None = None,
                     io_threads: int = DEFAULT_IO_THREADS,
                     verify_threads: int = DEFAULT_VERIFY_THREADS) -> list[WorkerSettings]:
-    """Each worker's settings: the capacity, IO and verifier threads and buffer budget split
-    `workers` ways; ValueError naming a bad value."""
+    """Each worker's settings: the capacity, IO and verifier threads split `workers` ways, the
+    buffer budget each its own; ValueError naming a bad value."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     if not isinstance(capacity_bytes, int) or capacity_bytes < workers:
@@ -80,7 +82,7 @@ def worker_settings(listen: str, capacity_bytes: int, security: Security, *, wor
     limits = limits or Limits()
     budget = buffer_budget(limits, buffer_budget_bytes)
     first = WorkerSettings(listen, capacity_bytes // workers, security, limits,
-                           max(limits.max_request_bytes, budget // workers),
+                           budget,
                            max(1, io_threads // workers), verify_threads // workers, (0, workers))
     # the others listen on free ports of the same host: a restarted store never waits for an
     # old worker to let go of a fixed one
