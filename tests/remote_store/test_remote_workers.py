@@ -1,7 +1,8 @@
 """A store of several worker processes (`store serve --workers N`), as real processes: every byte
 through every worker, each key on its own worker, combined lookups, exists, deletes and stats,
-misrouted keys refused, security on every worker, workers gone with their parent, and a client
-finding a restarted store's new workers."""
+misrouted keys refused, security on every worker, a flood at one worker (its own admission
+limits), workers gone with their parent, and a client finding a restarted store's new
+workers."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
 import torch
+from test_remote_flood import BUFFER_BOUND, CAPACITY, Bystander, _flood, _memory
 
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
@@ -257,6 +260,29 @@ def test_every_worker_checks_the_secret(tmp_path: Path, source: torch.Tensor) ->
         assert stats["workers"] == WORKERS and stats["blocks"] == COUNT
         assert stats["auth_refused"] >= 2 * WORKERS
         assert stats["protocol"] == PROTOCOL_VERSION and stats["security"] == "secret"
+
+
+@pytest.mark.parametrize("kind", ["garbage", "big_frames"])
+def test_a_flood_at_one_worker_is_dropped_there(kind: str, tmp_path: Path) -> None:
+    with StoreProcess(tmp_path / "store.log", capacity=f"{CAPACITY}B",
+                      extra_args=("--workers", "2")) as proc:
+        children = _children(proc.process.pid)
+        idle = {pid: _memory(pid)["VmRSS"] for pid in children}
+        host = proc.url.rsplit(":", 1)[0]
+        second = SimpleNamespace(url=f"{host}:{_ports(proc.url)[1]}")
+        bystander = Bystander(proc.url)  # its keys on both workers
+        try:
+            summary = _flood(kind, second, bystander)
+        finally:
+            bystander.stop()
+        assert bystander.failures == []
+        with StoreClient(proc.url, NONE, timeout_s=30.0) as client:
+            stats = client.stats()  # both workers, right after the flood
+        assert stats["dropped_peers"] >= 1 and summary["hung_up"] >= 1, (stats, summary)
+        assert stats["internal_errors"] == 0 and proc.process.poll() is None
+        for pid in children:  # the flooded worker holds its share and one budget at most
+            peak = _memory(pid)["VmHWM"] - idle[pid]
+            assert peak <= CAPACITY // 2 + BUFFER_BOUND, (kind, peak, summary)
 
 
 def _children(pid: int) -> list[int]:
