@@ -191,7 +191,7 @@ class StoreClient(RemoteBackend):
                     statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
                     continue
                 row = self._rows[slots[i]]
-                status, errors[i] = _receive_block(connection, row, size)
+                status, errors[i] = connection.receive_block(row, size)
                 if status is not BlockStatus.OK:
                     statuses[i] = status
                 elif checker is None:
@@ -383,20 +383,6 @@ def _verdict(matches: bool) -> tuple[BlockStatus, str]:
     if matches:
         return BlockStatus.OK, ""
     return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
-
-
-def _receive_block(connection: Connection, row: np.ndarray,
-                   size: int) -> tuple[BlockStatus, str]:
-    if not connection.more_frames():
-        return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
-    if size != row.nbytes:
-        connection.skip_frame()
-        return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
-                                  f"is {row.nbytes} B")
-    received = connection.recv_into(row)  # straight into the slot; the frame's full size
-    if received != size:
-        return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
-    return BlockStatus.OK, ""
 
 
 def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],
