@@ -148,15 +148,23 @@ def _serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvconnector store serve: {exc}", file=sys.stderr)
         return 2
+    lost: list[str] = []
+
+    def worker_ended(why: str) -> None:
+        logging.getLogger("kvconnector.store").error("%s: stopping the store", why)
+        lost.append(why)
+        server.stop()
+
     try:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.stop())
+        workers.watch(worker_ended)
         print(f"kvconnector store: listening on {endpoint} security={security.mode.value} "
               f"capacity={args.capacity} workers={args.workers}", flush=True)
         server.serve_forever()
     finally:
         workers.stop()
-    return 0
+    return 1 if lost else 0
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ workers."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,6 +211,26 @@ def test_workers_end_with_their_parent(tmp_path: Path) -> None:
         proc.stop()
 
 
+def test_the_store_ends_when_a_worker_dies(tmp_path: Path) -> None:
+    proc = StoreProcess(tmp_path / "store.log", capacity="16MiB", extra_args=("--workers", "3"))
+    proc.start()
+    try:
+        workers = [pid for pid in _children(proc.process.pid) if _is_worker(pid)]
+        assert len(workers) == WORKERS - 1
+        os.kill(workers[0], signal.SIGKILL)  # its keys are gone: the store must not go on
+        assert proc.process.wait(60) == 1
+        for pid in workers[1:]:  # the other workers went with it
+            deadline = time.monotonic() + 60
+            while os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+                assert time.monotonic() < deadline, f"worker {pid} outlived the store"
+                time.sleep(0.1)
+        log = (tmp_path / "store.log").read_text()
+        assert re.search(r"store worker kvconnector-store-[12] ended \(exit code -9\): "
+                         r"stopping the store", log), log[-2000:]
+    finally:
+        proc.stop()
+
+
 def test_a_client_finds_a_restarted_stores_workers(tmp_path: Path,
                                                    source: torch.Tensor) -> None:
     proc = StoreProcess(tmp_path / "store.log", capacity="32MiB", extra_args=("--workers", "2"))
@@ -257,8 +279,14 @@ def test_every_worker_checks_the_secret(tmp_path: Path, source: torch.Tensor) ->
         assert "refused this client's credentials" in result.errors[0]
         with StoreClient(proc.url, good, namespace=NS) as admin:
             stats = admin.stats()
+            deadline = time.monotonic() + 60  # a worker counts a refusal once its monitor says
+            while stats["auth_refused"] <= WORKERS and time.monotonic() < deadline:
+                time.sleep(0.2)
+                stats = admin.stats()
         assert stats["workers"] == WORKERS and stats["blocks"] == COUNT
-        assert stats["auth_refused"] >= 2 * WORKERS
+        # the wrong secret at each worker and the intruder's ping; a peer of another mode may
+        # hang up before its worker's monitor names the failure (test_remote_security: same)
+        assert stats["auth_refused"] >= WORKERS + 1
         assert stats["protocol"] == PROTOCOL_VERSION and stats["security"] == "secret"
 
 
@@ -278,7 +306,10 @@ def test_a_flood_at_one_worker_is_dropped_there(kind: str, tmp_path: Path) -> No
         assert bystander.failures == []
         with StoreClient(proc.url, NONE, timeout_s=30.0) as client:
             stats = client.stats()  # both workers, right after the flood
-        assert stats["dropped_peers"] >= 1 and summary["hung_up"] >= 1, (stats, summary)
+        with StoreClient(second.url, NONE, timeout_s=30.0) as client:
+            flooded = client.stats()  # that worker alone (its ping names no workers)
+        # the flood may be stopped before it reads the hang-up: the worker's count is the proof
+        assert flooded["workers"] == 2 and flooded["dropped_peers"] >= 1, (flooded, summary)
         assert stats["internal_errors"] == 0 and proc.process.poll() is None
         for pid in children:  # the flooded worker holds its share and one budget at most
             peak = _memory(pid)["VmHWM"] - idle[pid]
@@ -296,6 +327,14 @@ def _children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry))
     return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes() and \
+            b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _zombie(pid: int) -> bool:

@@ -9,17 +9,21 @@ connection alone may hold four of the largest requests: a share of the budget dr
 well-behaved clients' connections, seen with 16 MiB puts over 8 workers), so what zmq holds in
 all stays under N budgets. The first worker runs in this process on the store's address; the
 others are spawned, listen on free ports of the same host and exit when this process does
-(also when it is killed: each watches a pipe from it). The first worker's `ping` reply names
-every worker's port; clients send each key straight to its worker.
+(also when it is killed: each watches a pipe from it); and this process stops the store
+when a worker ends on its own (`StoreWorkers.watch`), since that worker's keys are gone. The
+first worker's `ping` reply names every worker's port; clients send each key straight to its
+worker.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
@@ -100,6 +104,7 @@ class StoreWorkers:
         self._context = mp.get_context("spawn")  # never fork a process that runs zmq threads
         self._processes: list[Any] = []
         self._pipes: list[Any] = []
+        self._stopping = threading.Event()
 
     def start(self) -> list[int]:
         """Start the workers; their ports, once every one listens (RuntimeError if one fails)."""
@@ -127,8 +132,26 @@ class StoreWorkers:
             self.stop()
             raise
 
+    def watch(self, on_exit: Callable[[str], None]) -> None:
+        """Call `on_exit(why)` from a thread if a worker ends before `stop()`: its share of the
+        keys is gone, so the store should end too rather than serve without it."""
+        processes = list(self._processes)
+
+        def wait_for_one() -> None:
+            ended = mp_connection.wait([process.sentinel for process in processes])
+            if self._stopping.is_set():
+                return
+            process = next(p for p in processes if p.sentinel in ended)
+            process.join()
+            on_exit(f"store worker {process.name} ended (exit code {process.exitcode})")
+
+        if processes:
+            threading.Thread(target=wait_for_one, name="kvconnector-store-workers",
+                             daemon=True).start()
+
     def stop(self) -> None:
         """Stop every worker (SIGKILL one that lingers) and wait for them."""
+        self._stopping.set()
         for pipe in self._pipes:
             pipe.close()  # the worker's watcher sees the end of the pipe
         for process in self._processes:
@@ -141,7 +164,10 @@ class StoreWorkers:
 
 def _run_worker(settings: WorkerSettings, pipe: Any) -> None:
     """A spawned worker: serve until the parent closes the pipe or goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the workers
+    # Ctrl-C, or a stop signal to the whole process group: the parent stops the workers (so a
+    # worker that ends on its own is always a failure to the parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT)
     try:
         server = settings.server()
@@ -150,7 +176,6 @@ def _run_worker(settings: WorkerSettings, pipe: Any) -> None:
         pipe.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     pipe.send(("listening", endpoint))
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
     threading.Thread(target=_watch_parent, args=(pipe, server), daemon=True).start()
     server.serve_forever()
 
