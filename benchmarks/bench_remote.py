@@ -23,6 +23,7 @@ store full and evicting, its steady state.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -44,6 +45,7 @@ import zmq
 import zmq.auth
 
 from kvconnector.bench.report import cpu_model
+from kvconnector.cli.units import parse_size
 from transfer.keys import Namespace
 from transfer.remote.store.baseline import RawServerProcess, RawStreams, security_args
 from transfer.remote.store.client import (
@@ -57,6 +59,7 @@ from transfer.remote.store.lanes import default_connections
 from transfer.remote.store.security import Security
 from transfer.remote.store.server import DEFAULT_IO_THREADS
 from transfer.remote.store.testing import StoreProcess
+from transfer.remote.store.workers import DEFAULT_WORKERS
 
 BLOCK = 2 << 20
 NS = Namespace("bench-remote", "bfloat16", 16, "2MiB blocks")
@@ -102,13 +105,14 @@ def securities(keys: Path, modes: list[str]) -> list[Setup]:
 
 
 def client_worker(index: int, store_url: str, raw_url: str, security: Security, blocks: int,
-                  connections: int, commands: Any, barrier: Any) -> None:
+                  connections: int, put_batch_blocks: int, commands: Any, barrier: Any) -> None:
     """One client process: runs (system, op, trial) commands in step with the others."""
     rows = np.random.default_rng(index + 1).integers(0, 256, (blocks, BLOCK), dtype=np.uint8)
     store = StoreClient(store_url, security, namespace=NS, pool=torch.from_numpy(rows),
-                        timeout_s=TIMEOUT_S, connections=connections)
+                        timeout_s=TIMEOUT_S, connections=connections,
+                        put_batch_bytes=put_batch_blocks * BLOCK)
     raw = RawStreams(raw_url, security, rows, connections=connections,
-                     put_batch_blocks=PUT_BATCH_BLOCKS, get_batch_blocks=GET_BATCH_BLOCKS,
+                     put_batch_blocks=put_batch_blocks, get_batch_blocks=GET_BATCH_BLOCKS,
                      max_in_flight=DEFAULT_MAX_IN_FLIGHT, timeout_s=TIMEOUT_S)
     slots = list(range(blocks))
     while (command := commands.recv()) is not None:
@@ -156,7 +160,8 @@ def iperf3_gbps(streams: int) -> float | None:
 
 
 def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
-            store_url: str, raw_url: str) -> dict[tuple[str, str], list[float]]:
+            store_url: str, raw_url: str,
+            put_batch_blocks: int) -> dict[tuple[str, str], list[float]]:
     """Seconds of each measured trial per (system, op), from `clients` client processes."""
     ctx = mp.get_context("fork")  # workers inherit the imports; the parent holds no zmq state
     barrier = ctx.Barrier(clients)
@@ -164,7 +169,8 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
     for index in range(clients):
         parent, child = ctx.Pipe()
         workers.append(ctx.Process(target=client_worker, daemon=True, args=(
-            index, store_url, raw_url, setup.client, blocks, connections, child, barrier)))
+            index, store_url, raw_url, setup.client, blocks, connections, put_batch_blocks,
+            child, barrier)))
         workers[-1].start()
         pipes.append(parent)
     seconds: dict[tuple[str, str], list[float]] = {}
@@ -194,15 +200,17 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
 
 
 def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
-             log: Path) -> list[dict[str, Any]]:
-    """Put and get GB/s of the store and the baseline for one mode, client and connection
-    count."""
+             log: Path, workers: int,
+             put_batch_blocks: int = PUT_BATCH_BLOCKS) -> list[dict[str, Any]]:
+    """Put and get GB/s of the store (of `workers` processes) and the baseline for one mode,
+    client and connection count."""
     capacity = 2 * clients * blocks * BLOCK  # two trials' worth: the warm-up fills it
-    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS))
+    io_threads = ("--io-threads", str(DEFAULT_IO_THREADS), "--workers", str(workers))
     store = StoreProcess(log, capacity=str(capacity),
                          security_args=tuple(security_args(setup.server)), extra_args=io_threads)
     with RawServerProcess(setup.server, capacity, DEFAULT_IO_THREADS) as baseline, store:
-        seconds = _trials(setup, clients, connections, blocks, trials, store.url, baseline.url)
+        seconds = _trials(setup, clients, connections, blocks, trials, store.url, baseline.url,
+                          put_batch_blocks)
     total = clients * blocks * BLOCK
     rows = []
     for op in ("put", "get"):
@@ -210,7 +218,8 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
         # each store trial against the baseline trial run next to it, under the same load
         ratios = [r / s for s, r in zip(store_s, raw_s, strict=True)]
         rows.append({"security": setup.mode, "clients": clients, "connections": connections,
-                     "op": op, "store_gbps": total / statistics.median(store_s) / 1e9,
+                     "workers": workers, "put_batch_blocks": put_batch_blocks, "op": op,
+                     "store_gbps": total / statistics.median(store_s) / 1e9,
                      "baseline_gbps": total / statistics.median(raw_s) / 1e9,
                      "ratio": statistics.median(ratios), "trial_ratios": ratios,
                      "bytes_per_trial": total, "store_seconds": store_s,
@@ -220,7 +229,8 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
 
 def _print_row(row: dict[str, Any]) -> None:
     iperf = "-" if row["iperf3_gbps"] is None else f"{row['iperf3_gbps']:.2f}"
-    print(f"{row['security']:<8} {row['clients']:>7} {row['connections']:>5} {row['op']:<4} "
+    print(f"{row['security']:<8} {row['clients']:>7} {row['connections']:>5} "
+          f"{row['workers']:>7} {row['op']:<4} "
           f"{row['store_gbps']:>10.2f} {row['baseline_gbps']:>9.2f} {row['ratio']:>6.2f} "
           f"{min(row['trial_ratios']):>9.2f}-{max(row['trial_ratios']):.2f} {iperf:>7}",
           flush=True)
@@ -260,15 +270,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="connections per client, e.g. 1,4 (default: the store client's, "
                              f"here {default_connections()})")
     parser.add_argument("--clients", type=_ints, default=[1, 4], help="client processes")
+    parser.add_argument("--put-batch", type=parse_size, default=PUT_BATCH_BLOCKS * BLOCK,
+                        help="bytes of blocks per put request, store and baseline alike "
+                             f"(default: the client's, {PUT_BATCH_BLOCKS * BLOCK >> 20}MiB)")
+    parser.add_argument("--workers", type=_ints, default=[DEFAULT_WORKERS],
+                        help="store worker processes, e.g. 1,4 (default: the store's, here "
+                             f"{DEFAULT_WORKERS})")
     parser.add_argument("--security", type=_modes, default=["none", "secret", "curve"])
     args = parser.parse_args(argv)
-    if args.trials < 1 or args.blocks < max(args.clients):
-        parser.error(f"need --trials >= 1 and --blocks >= {max(args.clients)}")
+    if args.trials < 1 or args.blocks < max(args.clients) or args.put_batch < BLOCK:
+        parser.error(f"need --trials >= 1, --blocks >= {max(args.clients)} and --put-batch "
+                     f">= {BLOCK >> 20}MiB")
     started = time.monotonic()
     rows = []
     ceilings = {}
     # the trials' spread too: on a busy machine one trial's ratio can be far off the median
-    print(f"{'security':<8} {'clients':>7} {'conns':>5} {'op':<4} {'store GB/s':>10} "
+    print(f"{'security':<8} {'clients':>7} {'conns':>5} {'workers':>7} {'op':<4} "
+          f"{'store GB/s':>10} "
           f"{'raw GB/s':>9} {'ratio':>6} {'trials min-max':>14} {'iperf3':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         for clients in args.clients:
@@ -276,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                 ceilings[clients * connections] = iperf3_gbps(clients * connections)
         for setup in securities(Path(tmp), args.security):
             for clients in args.clients:
-                for connections in args.connections:
+                for connections, workers in itertools.product(args.connections, args.workers):
                     measured = run_mode(setup, clients, connections, args.blocks // clients,
-                                        args.trials, Path(tmp) / f"store-{setup.mode}.log")
+                                        args.trials, Path(tmp) / f"store-{setup.mode}.log",
+                                        workers, args.put_batch // BLOCK)
                     for row in measured:  # as they come: a long run shows its progress
                         row["iperf3_gbps"] = ceilings[clients * connections]
                         _print_row(row)
@@ -290,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cpus": os.cpu_count(), "python": platform.python_version(),
                  "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "baseline": BASELINE, "block_bytes": BLOCK, "put_batch_blocks": PUT_BATCH_BLOCKS,
+        "baseline": BASELINE, "block_bytes": BLOCK, "put_batch_blocks": args.put_batch // BLOCK,
         "get_batch_blocks": GET_BATCH_BLOCKS, "in_flight_per_connection": DEFAULT_MAX_IN_FLIGHT,
         "server_io_threads": DEFAULT_IO_THREADS, "trials": args.trials,
         "warmup_trials": WARMUP_TRIALS, "seconds": round(time.monotonic() - started, 1),

@@ -21,7 +21,8 @@ from kvconnector.cli.units import parse_size
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Limits
 from transfer.remote.store.security import Security, SecurityMode
-from transfer.remote.store.server import DEFAULT_IO_THREADS, StoreServer
+from transfer.remote.store.server import DEFAULT_IO_THREADS
+from transfer.remote.store.workers import DEFAULT_WORKERS, StoreWorkers, worker_settings
 
 _SECURITY_OPTIONS = {  # option -> (the mode it belongs to, server side, client side)
     "secret_file": (SecurityMode.SECRET, True, True),
@@ -47,11 +48,16 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--buffer-budget", type=_size_arg,
                        help="what zmq may hold for all connections together before the peer "
                             "holding the most is dropped (default: 256MiB or four of the "
-                            "largest requests, whichever is more)")
+                            "largest requests, whichever is more; each worker its own)")
     serve.add_argument("--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS,
-                       help="zmq IO threads: connections are received and sent in parallel "
-                            f"over them (default: half the cores, at most 8; here "
-                            f"{DEFAULT_IO_THREADS})")
+                       help="zmq IO threads in all, split over the workers: connections are "
+                            "received and sent in parallel over them (default: half the "
+                            f"cores, at most 8; here {DEFAULT_IO_THREADS})")
+    serve.add_argument("--workers", type=_positive_int, default=DEFAULT_WORKERS,
+                       help="processes serving the store, the keys split among them by hash, "
+                            "each with its share of the capacity; the first listens on "
+                            "--listen, the others on free ports of the same host (default: half "
+                            f"the cores, at most 8, one on 2 cores; here {DEFAULT_WORKERS})")
     _add_security_options(serve, server=True)
     serve.set_defaults(func=_serve)
     stats = commands.add_parser("stats", help="print a store's counters as JSON")
@@ -127,19 +133,38 @@ def _serve(args: argparse.Namespace) -> int:
         security = _security(args, server=True)
         limits = Limits(max_block_bytes=args.max_block_size,
                         max_message_bytes=max(Limits().max_message_bytes, args.max_block_size))
-        server = StoreServer(args.listen, args.capacity, security, limits=limits,
-                             buffer_budget_bytes=args.buffer_budget,
-                             io_threads=args.io_threads)
+        settings = worker_settings(args.listen, args.capacity, security, workers=args.workers,
+                                   limits=limits, buffer_budget_bytes=args.buffer_budget,
+                                   io_threads=args.io_threads)
+        server = settings[0].server()
         endpoint = server.bind()
     except (ValueError, zmq.ZMQError) as exc:
         print(f"kvconnector store serve: {exc}", file=sys.stderr)
         return 2
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.stop())
-    print(f"kvconnector store: listening on {endpoint} security={security.mode.value} "
-          f"capacity={args.capacity}", flush=True)
-    server.serve_forever()
-    return 0
+    workers = StoreWorkers(settings[1:])
+    try:
+        if args.workers > 1:
+            server.shard_ports = [int(endpoint.rsplit(":", 1)[1]), *workers.start()]
+    except RuntimeError as exc:
+        print(f"kvconnector store serve: {exc}", file=sys.stderr)
+        return 2
+    lost: list[str] = []
+
+    def worker_ended(why: str) -> None:
+        logging.getLogger("kvconnector.store").error("%s: stopping the store", why)
+        lost.append(why)
+        server.stop()
+
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: server.stop())
+        workers.watch(worker_ended)
+        print(f"kvconnector store: listening on {endpoint} security={security.mode.value} "
+              f"capacity={args.capacity} workers={args.workers}", flush=True)
+        server.serve_forever()
+    finally:
+        workers.stop()
+    return 1 if lost else 0
 
 
 def _stats(args: argparse.Namespace) -> int:

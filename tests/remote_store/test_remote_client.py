@@ -15,6 +15,7 @@ from transfer.remote.backend import BlockStatus, block_checksum
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.connection import Connection, Exchange
 from transfer.remote.store.protocol import (
+    PROTOCOL_VERSION,
     ErrorCode,
     Limits,
     Op,
@@ -56,6 +57,10 @@ class FakeStore:
                 continue
             identity, header, *blocks = self._sock.recv_multipart()
             request = decode_request(header, Limits())
+            if request.op is Op.PING:  # a client's first call asks for the workers: just one
+                self._sock.send_multipart([identity, encode_reply(request.request_id,
+                                                                  protocol=PROTOCOL_VERSION)])
+                continue
             self.requests.append(request)
             reply = self.respond(request, blocks)
             if reply is not None and self.stale_first:
@@ -226,11 +231,20 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
         disconnect(self))[1])
     pool = torch.zeros((512, BLOCK), dtype=torch.uint8)
     keys = NS.keys([b"p%d" % i for i in range(512)])
+
+    def answer_the_ping() -> None:  # the client's first call asks for the store's workers
+        identity, header = stalled.recv_multipart()
+        rid = decode_request(header, Limits()).request_id
+        stalled.send_multipart([identity, encode_reply(rid, protocol=PROTOCOL_VERSION)])
+
+    pinger = threading.Thread(target=answer_the_ping)
+    pinger.start()
     try:
         with StoreClient(stalled.last_endpoint.decode(), NONE, namespace=NS, pool=pool,
                          timeout_s=0.5, put_batch_bytes=32 * BLOCK, max_in_flight=16,
                          connections=1) as client:
             result = client.put(keys, range(512))
+            pinger.join()
             assert result.statuses == (BlockStatus.FAILED,) * 512
             assert unsent_at_close[0] > 0  # zmq still held frames when the put gave up
             assert result.pinned_slots == ()  # closing the socket released every one

@@ -20,11 +20,12 @@ from kvconnector.layout.allocator import allocate
 from kvconnector.layout.descriptor import KVLayout
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus, block_checksum
-from transfer.remote.store import server as server_module
+from transfer.remote.store import puts as puts_module
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Op, decode_reply, encode_request, reply_statuses
+from transfer.remote.store.puts import VERIFY_INLINE_BYTES
 from transfer.remote.store.security import Security
-from transfer.remote.store.server import VERIFY_INLINE_BYTES, StoreServer
+from transfer.remote.store.server import StoreServer
 from transfer.remote.store.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10  # at pyzmq's copy threshold: frames go zero-copy
@@ -356,7 +357,7 @@ def test_a_failing_verifier_costs_one_put(monkeypatch: pytest.MonkeyPatch) -> No
         try:
             header = encode_request(9, Op.PUT, NS_A.digest, keys, [len(b) for b in blocks], sums)
             with monkeypatch.context() as patch:
-                patch.setattr(server_module, "_check", broken)
+                patch.setattr(puts_module, "_check", broken)
                 reply = decode_reply(peer.request([header, *blocks])[0])
             assert (reply.request_id, reply.ok, reply.code) == (9, False, "internal")
             reply = decode_reply(peer.request([header, *blocks])[0])  # the store carries on

@@ -11,9 +11,13 @@ or short frame).
 
 A client keeps several connections (`connections`, transfer.remote.store.lanes: one TCP stream
 moves what one core copies) and deals each put's and get's requests over them; statuses come
-back in the order of the keys whatever the lane. On a timeout or a lost connection the client
-drops that socket and connects afresh, so nothing late lands in a slot the caller has taken
-back, and a restarted store is found again; the other lanes' blocks are not affected.
+back in the order of the keys whatever the lane. A store of several worker processes
+(transfer.remote.store.workers) is asked for its workers at the first call (and again after a
+failure); each key then goes to its own worker (transfer.remote.store.shards) over that worker's
+connections, and lookups, exists, deletes and stats combine the workers' answers.
+On a timeout or a lost connection the client drops that socket and connects afresh, so nothing
+late lands in a slot the caller has taken back, and a restarted store is found again; the
+other lanes' blocks are not affected.
 A StoreClient belongs to one thread at a time; AsyncRemoteClient (transfer.remote.async_client)
 runs one on a background thread and returns futures.
 """
@@ -54,6 +58,7 @@ from transfer.remote.store.protocol import (
     reply_uints,
 )
 from transfer.remote.store.security import Security, tcp_host
+from transfer.remote.store.shards import split, sum_stats, worker_urls
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +87,8 @@ class StoreClient(RemoteBackend):
     Without a pool only lookup/exists/delete/stats/ping work (over one connection); without a
     namespace only stats/ping. `timeout_s` bounds the wait for each reply. `connections`: how
     many connections a put or get spreads its requests over (default: from the cores,
-    `default_connections`), each with up to `max_in_flight` requests unanswered.
+    `default_connections`; at least one per worker of the store), each with up to
+    `max_in_flight` requests unanswered.
     """
 
     def __init__(self, url: str, security: Security, *,
@@ -108,8 +114,12 @@ class StoreClient(RemoteBackend):
         if connections is None:  # key queries alone gain nothing from more connections
             connections = 1 if pool is None else default_connections()
         self._request_ids = count(1)
-        self._lanes = Lanes(url, security, count=connections, max_frame_bytes=largest_frame,
-                            max_in_flight=int(max_in_flight))
+        self._lane_options = {"max_frame_bytes": largest_frame,
+                              "max_in_flight": int(max_in_flight)}
+        self._security = security
+        self._connections = connections
+        self._lanes = Lanes([url], security, per_worker=connections, **self._lane_options)
+        self._routed = False  # the store's workers are known (asked at the next call if not)
         # With one connection a get checks each block's checksum here while the next one is
         # received: on the calling thread the check would stall the receiving (xxhash releases
         # the GIL). With several, each lane checks its blocks right after receiving them, hot
@@ -131,12 +141,16 @@ class StoreClient(RemoteBackend):
         """Store pool slot `slots[i]` under `keys[i]`; per-block results."""
         keys, slots = self.check_transfer(keys, slots, distinct_slots=False)
         rows = [self._rows[slot] for slot in slots]
+        try:
+            parts = self._batches(keys, self._put_batch, timeout_s)
+        except StoreError as exc:
+            return _failed(len(keys), str(exc))
         batches = []
-        for indices in self._batch_ranges(len(keys), self._put_batch):
+        for shard, indices in parts:
             rid = next(self._request_ids)
-            part = slice(indices.start, indices.stop)
-            header = partial(self._put_header, rid, keys[part], rows[part])
-            batches.append(Exchange(rid, header, indices, rows[part]))
+            part_rows = [rows[i] for i in indices]
+            header = partial(self._put_header, rid, [keys[i] for i in indices], part_rows)
+            batches.append(Exchange(rid, header, indices, part_rows, shard=shard))
         statuses = [BlockStatus.FAILED] * len(keys)
 
         def complete(_: Connection, batch: Exchange, reply: Reply) -> None:
@@ -154,14 +168,19 @@ class StoreClient(RemoteBackend):
         """Fetch `keys[i]` into pool slot `slots[i]`; a slot holds its block iff status is OK."""
         keys, slots = self.check_transfer(keys, slots, distinct_slots=True)
         self.check_not_pinned(slots)
+        try:
+            parts = self._batches(keys, self._get_batch, timeout_s)
+        except StoreError as exc:
+            return _failed(len(keys), str(exc))
         batches = []
-        for indices in self._batch_ranges(len(keys), self._get_batch):
+        for shard, indices in parts:
             rid = next(self._request_ids)
-            header = encode_request(rid, Op.GET, self.namespace, keys[indices.start:indices.stop])
-            batches.append(Exchange(rid, header, indices))
+            header = encode_request(rid, Op.GET, self.namespace, [keys[i] for i in indices])
+            batches.append(Exchange(rid, header, indices, shard=shard))
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [""] * len(keys)
         checks: list[tuple[int, int, Future[int]]] = []
+        checker = self._checker if len(self._lanes) == 1 else None
 
         def complete(connection: Connection, batch: Exchange, reply: Reply) -> None:
             n = len(batch.indices)
@@ -172,14 +191,13 @@ class StoreClient(RemoteBackend):
                     statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
                     continue
                 row = self._rows[slots[i]]
-                status, errors[i] = _receive_block(connection, row, size)
+                status, errors[i] = connection.receive_block(row, size)
                 if status is not BlockStatus.OK:
                     statuses[i] = status
-                elif self._checker is None:
+                elif checker is None:
                     statuses[i], errors[i] = _checked(row, keys[i], checksum)
                 else:  # OK only once its checksum matches, below
-                    checks.append((i, checksum, self._checker.submit(block_checksum, row,
-                                                                     keys[i])))
+                    checks.append((i, checksum, checker.submit(block_checksum, row, keys[i])))
 
         try:
             self._exchange(batches, complete, timeout_s)
@@ -192,15 +210,34 @@ class StoreClient(RemoteBackend):
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """How many leading `keys` the store holds (the longest stored prefix)."""
         keys = self.check_keys(keys)
-        found = 0
-        for start in range(0, len(keys), BATCH_BLOCKS):
-            chunk = keys[start:start + BATCH_BLOCKS]
-            prefix = self._call(Op.LOOKUP, chunk,
-                                partial(reply_count, name="prefix", upper=len(chunk)), timeout_s)
-            found += prefix
-            if prefix < len(chunk):
-                break
-        return found
+        positions = split(keys, self._route(timeout_s))
+        # each worker answers for its own keys, in order, a chunk at a time until one is
+        # missing: the prefix ends at the first key any worker misses
+        found, start = len(keys), [0] * len(positions)
+        prefixes: dict[int, int] = {}  # by request id
+
+        def complete(_: Connection, request: Exchange, reply: Reply) -> None:
+            prefixes[request.request_id] = reply_count(reply, "prefix", len(request.indices))
+
+        while True:
+            requests = []
+            for shard, mine in enumerate(positions):
+                chunk = mine[start[shard]:start[shard] + BATCH_BLOCKS]
+                if chunk and chunk[0] < found:
+                    rid = next(self._request_ids)
+                    header = encode_request(rid, Op.LOOKUP, self.namespace,
+                                            [keys[i] for i in chunk])
+                    requests.append(Exchange(rid, header, chunk, shard=shard))
+            if not requests:
+                return found
+            self._exchange_all(requests, complete, timeout_s)
+            for request in requests:
+                prefix = prefixes[request.request_id]
+                if prefix < len(request.indices):
+                    found = min(found, request.indices[prefix])
+                    positions[request.shard] = []
+                else:
+                    start[request.shard] += len(request.indices)
 
     def exists(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> list[bool]:
         """Whether the store holds each key."""
@@ -211,8 +248,17 @@ class StoreClient(RemoteBackend):
         return self._bools(Op.DELETE, "deleted", keys, timeout_s)
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """The store's counters (see docs/protocol.md)."""
-        return self._call(Op.STATS, None, lambda r: _field(r, "stats", dict), timeout_s)
+        """The store's counters (see docs/protocol.md), summed over its workers."""
+        requests = [Exchange(rid, encode_request(rid, Op.STATS), shard=shard)
+                    for shard in range(self._route(timeout_s))
+                    for rid in [next(self._request_ids)]]
+        stats: dict[int, dict[str, Any]] = {}
+
+        def complete(_: Connection, request: Exchange, reply: Reply) -> None:
+            stats[request.shard] = _field(reply, "stats", dict)
+
+        self._exchange_all(requests, complete, timeout_s)
+        return sum_stats([stats[shard] for shard in sorted(stats)])
 
     def ping(self, *, timeout_s: float | None = None) -> int:
         """Round trip to the store; returns its protocol version."""
@@ -236,32 +282,80 @@ class StoreClient(RemoteBackend):
     def _bools(self, op: Op, name: str, keys: Sequence[bytes],
                timeout_s: float | None) -> list[bool]:
         keys = self.check_keys(keys)
-        answers: list[bool] = []
-        for start in range(0, len(keys), BATCH_BLOCKS):
-            chunk = keys[start:start + BATCH_BLOCKS]
-            answers += self._call(op, chunk, partial(reply_bools, name=name, count=len(chunk)),
-                                  timeout_s)
+        requests = []
+        for shard, mine in enumerate(split(keys, self._route(timeout_s))):
+            for start in range(0, len(mine), BATCH_BLOCKS):
+                chunk = mine[start:start + BATCH_BLOCKS]
+                rid = next(self._request_ids)
+                header = encode_request(rid, op, self.namespace, [keys[i] for i in chunk])
+                requests.append(Exchange(rid, header, chunk, shard=shard))
+        answers = [False] * len(keys)
+
+        def complete(_: Connection, request: Exchange, reply: Reply) -> None:
+            values = reply_bools(reply, name, len(request.indices))
+            for index, value in zip(request.indices, values, strict=True):
+                answers[index] = value
+
+        self._exchange_all(requests, complete, timeout_s)
         return answers
 
     def _call(self, op: Op, keys: list[bytes] | None, parse: Callable[[Reply], Any],
-              timeout_s: float | None) -> Any:
-        rid = next(self._request_ids)
+              timeout_s: float | None, request_id: int | None = None) -> Any:
+        """One request to the store's first worker (the one at `url`)."""
+        rid = next(self._request_ids) if request_id is None else request_id
         request = Exchange(rid, encode_request(rid, op, self.namespace, keys or ()))
         parsed = []
         self._lanes.connections[0].exchange(
             [request], lambda _, __, reply: parsed.append(parse(reply)),
             self.call_timeout(timeout_s))
         if request.error:
+            self._routed = False
             raise StoreError(request.error)
         return parsed[0]
+
+    def _route(self, timeout_s: float | None) -> int:
+        """How many workers the store has, asking it (its ping) unless known; lanes to each.
+        StoreError when the store does not answer."""
+        if self._routed:
+            return len(self._lanes.urls)
+        # id 0, never a put's or get's: after a failure the connection is a fresh one, so no
+        # earlier ping's reply can come in its place
+        ports = self._call(Op.PING, None, lambda reply: reply.fields.get("shards"), timeout_s,
+                           request_id=0)
+        try:
+            urls = worker_urls(self.url, ports)
+        except ProtocolError as exc:
+            raise StoreError(f"malformed reply from the store at {self.url}: {exc}") from None
+        if urls != self._lanes.urls:  # connections to each worker, at least one each
+            lanes = Lanes(urls, self._security, per_worker=-(-self._connections // len(urls)),
+                          **self._lane_options)
+            self._lanes.close()
+            self._lanes = lanes
+        self._routed = True
+        return len(urls)
+
+    def _batches(self, keys: list[bytes], batch_blocks: int,
+                 timeout_s: float | None) -> list[tuple[int, list[int]]]:
+        """A put's or get's requests: (worker, the positions of its keys)."""
+        batches = []
+        for shard, mine in enumerate(split(keys, self._route(timeout_s))):
+            step = spread_batch(len(mine), batch_blocks, self._lanes.per_worker)
+            batches += [(shard, mine[start:start + step]) for start in range(0, len(mine), step)]
+        return batches
 
     def _exchange(self, requests: list[Exchange], complete: Complete,
                   timeout_s: float | None) -> None:
         self._lanes.exchange(requests, complete, self.call_timeout(timeout_s))
+        if any(request.error for request in requests):
+            self._routed = False  # ask again: the store may have restarted with other workers
 
-    def _batch_ranges(self, total: int, batch_blocks: int) -> list[range]:
-        step = spread_batch(total, batch_blocks, len(self._lanes))
-        return [range(start, min(start + step, total)) for start in range(0, total, step)]
+    def _exchange_all(self, requests: list[Exchange], complete: Complete,
+                      timeout_s: float | None) -> None:
+        """Requests of key queries: StoreError unless every one has its answer."""
+        self._exchange(requests, complete, timeout_s)
+        for request in requests:
+            if request.error:
+                raise StoreError(request.error)
 
     def _wait_sent(self, requests: list[Exchange], slots: list[int],
                    timeout_s: float | None) -> tuple[int, ...]:
@@ -277,6 +371,10 @@ class StoreClient(RemoteBackend):
         return tuple(sorted(self.pinned_slots.intersection(slots)))
 
 
+def _failed(count: int, error: str) -> TransferResult:
+    return TransferResult((BlockStatus.FAILED,) * count, (error,) * count, ())
+
+
 def _checked(row: np.ndarray, key: bytes, checksum: int) -> tuple[BlockStatus, str]:
     return _verdict(block_checksum(row, key) == checksum)
 
@@ -285,20 +383,6 @@ def _verdict(matches: bool) -> tuple[BlockStatus, str]:
     if matches:
         return BlockStatus.OK, ""
     return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
-
-
-def _receive_block(connection: Connection, row: np.ndarray,
-                   size: int) -> tuple[BlockStatus, str]:
-    if not connection.more_frames():
-        return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
-    if size != row.nbytes:
-        connection.skip_frame()
-        return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
-                                  f"is {row.nbytes} B")
-    received = connection.recv_into(row)  # straight into the slot; the frame's full size
-    if received != size:
-        return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
-    return BlockStatus.OK, ""
 
 
 def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],

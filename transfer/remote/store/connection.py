@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.protocol import ProtocolError, Reply, decode_reply
 from transfer.remote.store.security import Security
 
@@ -43,11 +44,12 @@ class Exchange:
     # the header, or a function building it just before the send (a put computes its checksums
     # then, overlapping the frames already on their way)
     header: bytes | Callable[[], bytes]
-    indices: range = range(0)  # the caller's positions of the request's keys
+    indices: Sequence[int] = ()  # the caller's positions of the request's keys
     frames: list[Any] = field(default_factory=list)  # buffers sent zero-copy after the header
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     deadline: float = 0.0
     error: str = ""  # set when no usable reply came
+    shard: int = 0  # the store worker it goes to (transfer.remote.store.shards)
 
 
 # takes a reply to one of its requests and reads the reply's block frames from the connection
@@ -96,17 +98,20 @@ class Connection:
             self._reconnect()  # never leave a half-read message or a live request behind
             raise
 
-    def more_frames(self) -> bool:
-        """Whether the reply being read has another frame."""
-        return bool(self._sock.get(_RCVMORE))
-
-    def recv_into(self, buffer: Any) -> int:
-        """Receive the next frame into `buffer`; returns the frame's full size (larger than
-        the buffer when truncated)."""
-        return self._sock.recv_into(buffer)
-
-    def skip_frame(self) -> None:
-        self._sock.recv(copy=False)
+    def receive_block(self, buffer: Any, size: int) -> tuple[BlockStatus, str]:
+        """Receive the reply's next block frame, of declared `size`, straight into `buffer`
+        (a pool slot); a frame missing or of another size is not OK (and the slot untouched
+        where the size was known to differ)."""
+        if not self._sock.get(_RCVMORE):
+            return BlockStatus.FAILED, "the reply carries fewer block frames than it declares"
+        if size != buffer.nbytes:
+            self._sock.recv(copy=False)
+            return BlockStatus.SIZE, (f"the store holds {size} B under this key; a pool slot "
+                                      f"is {buffer.nbytes} B")
+        received = self._sock.recv_into(buffer)  # the frame's full size, even when truncated
+        if received != size:
+            return BlockStatus.SIZE, f"block frame of {received} B where {size} B were declared"
+        return BlockStatus.OK, ""
 
     def close(self) -> None:
         """Close the socket; frames not yet sent are dropped."""

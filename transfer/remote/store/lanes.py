@@ -8,6 +8,9 @@ in flight, and the call returns once every lane has. zmq gives each connection a
 the client's own context, so the kernel copies (and CURVE's encryption, done on the IO threads)
 run in parallel too; the lane threads checksum puts and receive gets (both release the GIL).
 
+A store of several workers (transfer.remote.store.workers) gets lanes of its own per worker:
+each request names its worker (`Exchange.shard`) and is dealt over that worker's lanes.
+
 A lane's failure (timeout, lost connection) fails that lane's requests only: each connection
 reconnects on its own, and a block's status depends only on its own request.
 """
@@ -64,22 +67,26 @@ def spread_batch(blocks: int, batch_blocks: int, lanes: int) -> int:
 
 
 class Lanes:
-    """`count` connections to one store, each on its own zmq IO thread; the lanes of one
-    client, used by one call at a time."""
+    """`per_worker` connections to each of a store's workers (`urls`, worker 0 first), each on
+    its own zmq IO thread; the lanes of one client, used by one call at a time."""
 
-    def __init__(self, url: str, security: Security, *, count: int, max_frame_bytes: int,
-                 max_in_flight: int) -> None:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"connections must be an int >= 1, got {count!r}")
+    def __init__(self, urls: Sequence[str], security: Security, *, per_worker: int,
+                 max_frame_bytes: int, max_in_flight: int) -> None:
+        if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
+            raise ValueError(f"connections must be an int >= 1, got {per_worker!r}")
         start_zero_copy_collector()
+        self.urls = list(urls)
+        self.per_worker = per_worker
+        count = per_worker * len(self.urls)
         self._context = zmq.Context(io_threads=count)
         self._threads: ThreadPoolExecutor | None = None
         self.connections: list[Connection] = []
         try:
             for lane in range(count):
                 self.connections.append(Connection(
-                    url, security, context=self._context, io_thread=lane,
-                    max_frame_bytes=max_frame_bytes, max_in_flight=max_in_flight))
+                    self.urls[lane // per_worker], security, context=self._context,
+                    io_thread=lane, max_frame_bytes=max_frame_bytes,
+                    max_in_flight=max_in_flight))
         except BaseException:
             self.close()
             raise
@@ -92,9 +99,11 @@ class Lanes:
 
     def exchange(self, requests: Sequence[Exchange], complete: Complete,
                  timeout_s: float) -> None:
-        """Run `requests` dealt over the lanes (see Connection.exchange); returns when every
-        lane is done, so no lane reads or writes a pool slot after the call."""
-        shares = deal(requests, len(self.connections))
+        """Run `requests` dealt over their workers' lanes (see Connection.exchange); returns
+        when every lane is done, so no lane reads or writes a pool slot after the call."""
+        shares = []
+        for worker in range(len(self.urls)):
+            shares += deal([r for r in requests if r.shard == worker], self.per_worker)
         running: list[Future[None]] = [
             self._threads.submit(connection.exchange, share, complete, timeout_s)
             for connection, share in zip(self.connections[1:], shares[1:], strict=True)

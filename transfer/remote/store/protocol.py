@@ -57,6 +57,7 @@ class ErrorCode(str, Enum):
     NAMESPACE = "namespace"  # a key outside the header's namespace
     LIMIT = "limit"  # too many keys, a block or message too large
     FRAMES = "frames"  # the block frames do not match the keys
+    SHARD = "shard"  # a key that another worker of the store holds
     INTERNAL = "internal"  # a store bug; never expected
 
 

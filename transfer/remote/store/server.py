@@ -5,15 +5,16 @@ touches the index, so clients interleave at request granularity. zmq's IO thread
 work (kernel copies, CURVE), each connection on one of them: several connections, of one client
 or of many, are received and sent in parallel. Blocks are received zero-copy (the store keeps
 the frame) and sent zero-copy with a MessageTracker that keeps them pinned until zmq is done.
-A large put's checksums are checked on worker threads (xxhash releases the GIL), its blocks in
-parallel, while the loop goes on receiving (inline on a machine with no core to spare for them;
-see DEFAULT_VERIFY_THREADS); puts are stored and answered in arrival order once
-checked, so a block is never stored (or served) before its bytes have matched their checksum.
+A put's checksums are checked first (transfer.remote.store.puts: large ones on threads while the
+loop goes on receiving); puts are stored and answered in arrival order once checked.
 Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
 the `kvconnector store serve` command).
 
 What zmq may hold for the connections is bounded and a peer that keeps sending invalid requests
 is dropped (transfer.remote.store.admission; docs/protocol.md, "Limits").
+
+A server may be one worker of several (transfer.remote.store.shards, .workers): it then holds
+only the keys that hash to it and refuses the others; the first worker's `ping` names them all.
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -52,7 +50,13 @@ from transfer.remote.store.protocol import (
     encode_error,
     encode_reply,
 )
+from transfer.remote.store.puts import (
+    DEFAULT_VERIFY_THREADS,
+    PendingPut,
+    PutChecker,
+)
 from transfer.remote.store.security import Security, tcp_host
+from transfer.remote.store.shards import shard_of
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +72,9 @@ COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "
 # one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
 _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _SRCFD = int(zmq.SRCFD)
-# Puts carrying at least this many bytes are checked on the worker threads, one task per thread;
-# smaller ones inline, where hashing them costs less than a thread hop.
-VERIFY_INLINE_BYTES = 1 << 20
-# Cores beyond the serving thread and zmq's IO thread check several clients' puts at once (four
-# at most). With none to spare (2 cores) puts are checked inline: there thread hand-offs only
-# add CPU, and CPU per byte is what a busy 2-core machine's throughput is (docs/benchmarks.md).
-DEFAULT_VERIFY_THREADS = max(0, min(4, (os.cpu_count() or 1) - 2))
 # One TCP stream is what one IO thread copies (~4 GB/s on the GPU machine); half the cores, up
 # to 8, spread the connections (the serving and verifier threads need the rest).
 DEFAULT_IO_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-
-
-@dataclass(eq=False)
-class _PendingPut:
-    """A put whose checksums are being checked; stored and answered once `remaining` is 0."""
-
-    identity: bytes
-    request: Request
-    blocks: list[zmq.Frame]
-    valid: list[bool | None]  # per block: bytes match the checksum; None: not checked
-    remaining: int = 0  # verifier tasks still running
-    failed: bool = False  # a verifier task raised: the put gets an internal error
 
 
 class StoreServer:
@@ -98,7 +83,7 @@ class StoreServer:
     def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
                  limits: Limits | None = None, verify_threads: int | None = None,
                  buffer_budget_bytes: int | None = None,
-                 io_threads: int | None = None) -> None:
+                 io_threads: int | None = None, shard: tuple[int, int] = (0, 1)) -> None:
         tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
@@ -108,12 +93,18 @@ class StoreServer:
                 or verify_threads < 0:
             raise ValueError(f"verify_threads must be an int >= 0 (0: check puts inline), "
                              f"got {verify_threads!r}")
-        self._verify_threads = verify_threads
         if io_threads is None:
             io_threads = DEFAULT_IO_THREADS
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be an int >= 1, got {io_threads!r}")
         self._io_threads = io_threads
+        index, shards = shard
+        if not 0 <= index < shards:
+            raise ValueError(f"shard must be (index, workers) with 0 <= index < workers, "
+                             f"got {shard!r}")
+        self.shard = (index, shards)
+        # the workers' ports, this one's first; set on the first of several before serving
+        self.shard_ports: list[int] | None = None
         self.listen = listen
         self.limits = limits or Limits()
         self._guard = PeerGuard(buffer_budget(self.limits, buffer_budget_bytes))
@@ -121,10 +112,7 @@ class StoreServer:
         self._security = security
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._in_flight: list[tuple[zmq.MessageTracker, StoredBlock]] = []
-        self._pending: deque[_PendingPut] = deque()  # puts in arrival order, being checked
-        self._verifier: ThreadPoolExecutor | None = None
-        self._done_lock = threading.Lock()
-        self._wake_fd = -1  # a verifier writes a byte here when it finishes a put
+        self._puts = PutChecker(verify_threads)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._context: zmq.Context | None = None
@@ -190,15 +178,11 @@ class StoreServer:
             "max_batch_blocks": self.limits.max_batch_blocks, **self._counters,
             "peers": self._guard.peers, "dropped_peers": self._guard.dropped_peers,
             "held_bytes": self._guard.held_bytes, "buffer_budget_bytes": self._guard.budget_bytes,
+            "worker": self.shard[0], "workers": self.shard[1],
         }
 
     def _serve(self) -> None:
-        wake_read, self._wake_fd = os.pipe()
-        os.set_blocking(wake_read, False)
-        os.set_blocking(self._wake_fd, False)
-        if self._verify_threads:
-            self._verifier = ThreadPoolExecutor(self._verify_threads,
-                                                thread_name_prefix="kvconnector-verify")
+        wake_read = self._puts.start()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -211,7 +195,7 @@ class StoreServer:
                     timeout = min(timeout, int(CHECK_INTERVAL_S * 1000))
                 ready = dict(poller.poll(timeout))
                 if wake_read in ready:
-                    _drain(wake_read)
+                    self._puts.drain_wakeups()
                 if self._monitor in ready:
                     self._read_monitor()
                 if self._sock in ready:
@@ -231,10 +215,7 @@ class StoreServer:
                     self._guard.check()
                     next_check = time.monotonic() + self._guard.interval_s
         finally:
-            if self._verifier is not None:  # puts still being checked are dropped unanswered
-                self._verifier.shutdown(wait=True, cancel_futures=True)
-            os.close(wake_read)
-            os.close(self._wake_fd)
+            self._puts.close()  # puts still being checked are dropped unanswered
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
@@ -281,6 +262,8 @@ class StoreServer:
                 raise RequestError(ErrorCode.FRAMES, f"{request.op.value} carries no block "
                                    f"frames, got {len(blocks)}", request_id)
             self._counters[f"requests_{request.op.value}"] += 1
+            if self.shard[1] > 1:
+                self._check_shard(request)
             if request.op is Op.PUT and any(frame.buffer.nbytes != size for frame, size
                                             in zip(blocks, request.sizes, strict=False)):
                 self._guard.strike(fd, identity, "a put's block frame is not its declared size")
@@ -310,48 +293,32 @@ class StoreServer:
                                                              for k in request.keys]))
         elif request.op is Op.STATS:
             self._reply(identity, encode_reply(rid, stats=self.stats()))
-        else:
+        elif self.shard_ports is None:
             self._reply(identity, encode_reply(rid, protocol=PROTOCOL_VERSION))
+        else:
+            self._reply(identity, encode_reply(rid, protocol=PROTOCOL_VERSION,
+                                               shards=self.shard_ports))
+
+    def _check_shard(self, request: Request) -> None:
+        index, shards = self.shard
+        for position, key in enumerate(request.keys):
+            owner = shard_of(key, shards)
+            if owner != index:
+                raise RequestError(ErrorCode.SHARD, f"key {position} ({key.hex()}) belongs to "
+                                   f"worker {owner} of {shards}, not to this worker {index}: "
+                                   f"the store's ping names every worker's port",
+                                   request.request_id)
 
     def _put(self, identity: bytes, request: Request, blocks: list[zmq.Frame]) -> None:
         """Check the blocks' checksums (on the verifier when large), then `_finish_puts`."""
         if len(blocks) != len(request.keys):
             raise RequestError(ErrorCode.FRAMES, f"put declares {len(request.keys)} blocks but "
                                f"carries {len(blocks)} frames", request.request_id)
-        pending = _PendingPut(identity, request, blocks, [None] * len(blocks))
-        todo = [i for i, (key, size, frame) in enumerate(zip(request.keys, request.sizes, blocks,
-                                                             strict=True))
-                if frame.buffer.nbytes == size and key not in self._store]
-        todo.reverse()  # the last blocks received are the likeliest still in cache
-        if self._verifier is None or sum(request.sizes[i] for i in todo) < VERIFY_INLINE_BYTES:
-            _check(pending, todo)
-        else:  # a task per thread, not per block: fewer hand-offs and wake-ups
-            tasks = [todo[i::self._verify_threads] for i in range(self._verify_threads)]
-            tasks = [task for task in tasks if task]
-            pending.remaining = len(tasks)
-            for task in tasks:
-                self._verifier.submit(self._verify, pending, task)
-        self._pending.append(pending)
-
-    def _verify(self, pending: _PendingPut, indices: list[int]) -> None:
-        """A verifier task: check some blocks of a put; the last task of a put wakes the loop."""
-        try:
-            _check(pending, indices)
-        except BaseException:
-            pending.failed = True
-            log.exception("internal error checking a put's blocks")
-        finally:
-            with self._done_lock:
-                pending.remaining -= 1
-                finished = pending.remaining == 0
-            if finished:
-                with suppress(BlockingIOError):  # the pipe is full of wake-ups already
-                    os.write(self._wake_fd, b"\0")
+        self._puts.submit(identity, request, blocks, self._store.__contains__)
 
     def _finish_puts(self) -> None:
         """Store and answer the checked puts at the head of the queue, in arrival order."""
-        while self._pending and self._pending[0].remaining == 0:
-            pending = self._pending.popleft()
+        for pending in self._puts.ready():
             rid = pending.request.request_id
             try:
                 if pending.failed:
@@ -363,7 +330,7 @@ class StoreServer:
                 reply = encode_error(rid, ErrorCode.INTERNAL, "internal error")
             self._reply(pending.identity, reply)
 
-    def _store_put(self, pending: _PendingPut) -> list[str]:
+    def _store_put(self, pending: PendingPut) -> list[str]:
         request = pending.request
         statuses = []
         for index, (key, size, checksum, frame) in enumerate(zip(
@@ -421,16 +388,3 @@ class StoreServer:
             self._store.pin(block)
             self._in_flight.append((tracker, block))
 
-
-def _check(pending: _PendingPut, indices: list[int]) -> None:
-    request = pending.request
-    for index in indices:
-        key = request.keys[index]
-        pending.valid[index] = (block_checksum(pending.blocks[index].buffer, key)
-                                == request.checksums[index])
-
-
-def _drain(fd: int) -> None:
-    with suppress(BlockingIOError):
-        while os.read(fd, 4096):
-            pass
