@@ -21,8 +21,11 @@ private one: the scheduler's index is the daemon's, each worker maps the daemon'
 copies into its rank's part of each slot; the remote tier composes below it as below a private
 pool.
 
-Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
-0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
+Supported: KV cache groups of full attention (MLA included) and sliding window attention, any
+TP/PP size, vLLM 0.32 and 0.33. `SupportsHMA`: vLLM keeps its hybrid KV cache manager on. Its
+groups share one block pool and one set of buffers, so a host slot holds one physical block
+whichever group owns it; a group's keys carry its index. State groups (Mamba, linear attention)
+and a remote, disk or shared pool tier with several groups are refused (ValueError at start).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -46,14 +50,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    RSWASpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
 from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
-from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.scheduler import CacheGroup, OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
@@ -62,7 +71,12 @@ from kvconnector.vllm.layout_choice import (
     layout_request,
     resolved_backends,
 )
-from kvconnector.vllm.namespace import disk_namespace, engine_namespace, rank_namespace
+from kvconnector.vllm.namespace import (
+    disk_namespace,
+    engine_namespace,
+    rank_namespace,
+    with_groups,
+)
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
 from transfer.copy.base import CopyBackend
@@ -85,16 +99,37 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
 
 def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
+    """The first group's spec, once every group is checked to be one the connector moves."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        specs = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ValueError(f"CrossLayerOffloadConnector supports one full-attention KV cache "
-                         f"group, got {len(groups)}: {specs}")
-    spec = groups[0].kv_cache_spec
+    specs: list[KVCacheSpec] = [g.kv_cache_spec for g in groups]
+    for i, spec in enumerate(specs):
+        # RSWA frees blocks inside a prefix; state groups keep one state, not blocks of tokens.
+        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec) or \
+                isinstance(spec, RSWASpec):
+            raise ValueError(f"CrossLayerOffloadConnector offloads full attention and sliding "
+                             f"window KV cache groups; group {i} is a {type(spec).__name__} "
+                             f"(groups: {[type(s).__name__ for s in specs]})")
+    if not isinstance(specs[0], FullAttentionSpec):
+        raise ValueError(f"the first KV cache group must be full attention, got "
+                         f"{[type(s).__name__ for s in specs]}")
+    sizes = {spec.block_size for spec in specs}
+    if len(sizes) != 1:
+        raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} are not "
+                         f"supported")
+    spec = specs[0]
     if kv_cache_config.hash_block_size not in (None, spec.block_size):
         raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens but a "
                          f"block holds {spec.block_size}: they must be equal")
     return spec
+
+
+def _cache_groups(kv_cache_config: KVCacheConfig) -> list[CacheGroup]:
+    """The scheduler core's view of the groups; one group keeps the keys it always had."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    return [CacheGroup(prefix=bytes([i]) if len(specs) > 1 else b"",
+                       window=spec.sliding_window if isinstance(spec, SlidingWindowSpec)
+                       else None)
+            for i, spec in enumerate(specs)]
 
 
 @dataclass
@@ -117,7 +152,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return OffloadWorkerMetadata(self.report.merged(other.report))
 
 
-class CrossLayerOffloadConnector(KVConnectorBase_V1):
+class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector with a CPU tier of whole blocks (see module doc)."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -129,7 +164,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
             dict(self._kv_transfer_config.kv_connector_extra_config))
         spec = _offloaded_spec(kv_cache_config)
         self._block_size = spec.block_size
-        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+        groups = kv_cache_config.kv_cache_groups
+        # Groups share the buffers: a physical block holds the largest group's layers.
+        num_layers = max(len(g.layer_names) for g in groups)
         # The scheduler counts slots for every worker but sees stage 0's layers only; under PP
         # stages differ (62 layers / 4 -> 15, 16, 16, 15), so size slots by the largest stage.
         slot_layers = max(num_layers, _largest_pp_stage(vllm_config))
@@ -146,18 +183,30 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._pool_index: SharedIndex | None = None
         self._remote = self.options.remote()
+        if self._remote is not None and len(groups) > 1:
+            raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
+                             f"(one group only)")
+        self._groups = _cache_groups(kv_cache_config)
+        self._windowed = any(g.window is not None for g in self._groups)
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
         parallel = vllm_config.parallel_config
-        self._namespace = engine_namespace(vllm_config, spec, num_layers,
-                                           parallel.tensor_parallel_size)
+        self._namespace = with_groups(
+            engine_namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size),
+            [(g.kv_cache_spec, g.layer_names) for g in groups])
         self._disk = self.options.disk()
         if self._disk is not None:
+            if len(groups) > 1:
+                raise ValueError(f"disk_path with {len(groups)} KV cache groups is not "
+                                 f"supported (one group only)")
             self._num_disk_slots = self._disk.num_slots(slot_bytes)
             if self._num_disk_slots == 0:
                 raise ValueError(f"disk_bytes {self._disk.num_bytes} holds no block of "
                                  f"{slot_bytes} B (and its 4 KiB footer)")
         if self.options.pool:
+            if len(groups) > 1:
+                raise ValueError(f"pool with {len(groups)} KV cache groups is not supported "
+                                 f"(one group only)")
             # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
             # with other PP sizes place ranks differently, so they get keys of their own.
             self._namespace = dataclasses.replace(
@@ -173,7 +222,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
                 self._namespace, index.num_slots if index else self._num_slots,
                 spec.block_size, parallel.world_size, self.options.eviction, remote=remote,
                 remote_only=remote and self._remote.only, disk=self._disk_planner(),
-                index=index)
+                index=index, groups=self._groups)
             if self._remote is not None:
                 self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
 
@@ -335,7 +384,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         split = self._core().plan_load(request.request_id, request.block_hashes,
-                                       blocks.get_block_ids()[0], num_external_tokens)
+                                       blocks.get_block_ids(), num_external_tokens)
         if split[1] or split[2]:  # for get_external_cache_hit_sources, which vLLM calls next
             self._hit_split[request.request_id] = tuple(n * self._block_size for n in split)
         elif num_external_tokens:  # a new plan from the host pool alone (the 0-token call
@@ -354,11 +403,15 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         core = self._core()
         for req_id in scheduler_output.preempted_req_ids or ():
             core.request_preempted(req_id)
+        scheduled = scheduler_output.num_scheduled_tokens
+        if self._windowed:  # before this step's stores: only jobs already sent can be flushed
+            core.flush_windows({req_id: r.num_computed_tokens + scheduled.get(req_id, 0)
+                                for req_id, r in self._requests.items()})
         stores = []
-        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+        for req_id, num_new in scheduled.items():
             request = self._requests[req_id]
             stores.append((req_id, request.block_hashes,
-                           self._kv_cache_manager.get_block_ids(req_id)[0],
+                           self._kv_cache_manager.get_block_ids(req_id),
                            request.num_computed_tokens + num_new))
         core.plan_step_stores(stores)  # one call to the index for the whole step
         return OffloadConnectorMetadata(core.build_step())
@@ -370,6 +423,12 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once a request finished in every group, with the blocks vLLM still holds
+        (a sliding window group's freed ones are its null block)."""
         self._requests.pop(request.request_id, None)
         self._hit_split.pop(request.request_id, None)
         if self._remote_lookups is not None:
