@@ -286,8 +286,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                             self._num_disk_slots)
             self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
         advise = advise_block_outermost(asked, backends, kv_dtype)
+        how = self._worker.describe(advise)
+        if len(config.kv_cache_groups) > 1:  # they share the buffers: one decision for all
+            how = (f"KV cache groups ["
+                   f"{', '.join(type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups)}"
+                   f"] share each block; {how}")
         logger.info("%s", layout_line(self._vllm_config.parallel_config.rank, asked, why, resolved,
-                                      backends, self._worker.describe(advise)))
+                                      backends, how))
 
     def _jobs(self) -> StepJobs:
         if not isinstance(self._connector_metadata, OffloadConnectorMetadata):
@@ -321,7 +326,10 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         events = self._running_worker().poll()
-        self._load_errors |= events.failed_block_ids
+        if len(self._groups) == 1:
+            self._load_errors |= events.failed_block_ids
+        # (several groups: block ids repeat across groups, so vLLM takes failed requests only,
+        # and recomputes them whole, or fails them under the "fail" policy)
         return KVConnectorTransferResults(finished_sending=events.finished_sending,
                                           finished_recving=events.finished_loads,
                                           failed_recving=events.failed_loads)

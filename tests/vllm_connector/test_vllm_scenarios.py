@@ -45,6 +45,7 @@ BS = h.BLOCK_SIZE
 NEEDS_DEFERRED_FINALIZE = pytest.mark.skipif(
     not DEFERS_FINALIZE, reason="a speculator's step order needs vLLM 0.33's driver")
 V = h.Variant
+WINDOW = 40
 VARIANTS = [
     pytest.param(V("BLNHC"), id="block-major-Scheduler"),
     pytest.param(V("BLNHC", async_scheduling=True), id="block-major-AsyncScheduler"),
@@ -73,7 +74,22 @@ VARIANTS = [
     pytest.param(V("BLNHC", mla=True), id="mla-Scheduler"),
     pytest.param(V("LBNHC", tp=2, async_scheduling=True, mla=True),
                  id="mla-per-layer-tp2-AsyncScheduler"),
+    # hybrid: vLLM's hybrid manager on, a full attention and a sliding window group (window
+    # of 40 tokens: a reload keeps 3 of the sliding group's blocks before its end)
+    pytest.param(V("BLNHC", window=WINDOW), id="hybrid-Scheduler"),
+    pytest.param(V("BLNHC", async_scheduling=True, window=WINDOW), id="hybrid-AsyncScheduler"),
+    pytest.param(V("LBNHC", tp=2, window=WINDOW), id="hybrid-per-layer-tp2-Scheduler"),
+    pytest.param(V("BLNHC", tp=2, async_scheduling=True, window=WINDOW),
+                 id="hybrid-tp2-AsyncScheduler"),
+    pytest.param(V("BLNHC", drafts=3, window=WINDOW), id="hybrid-drafts-Scheduler"),
 ]
+
+
+def skip_one_group_pool(variant: h.Variant) -> None:
+    """Scenarios whose pool size is counted for one KV cache group (so many blocks free, so
+    many needed) do not yet have a hybrid count (two groups draw from one pool)."""
+    if variant.window is not None:
+        pytest.skip("pool size counted for one KV cache group; no hybrid count yet")
 
 
 @pytest.fixture(params=VARIANTS)
@@ -103,8 +119,10 @@ def test_identical_request_loads_every_stored_byte(model_dir: str, variant: h.Va
     stats = total_stats(engine)
     block_bytes = sum(worker.connector._worker.block_bytes for worker in engine.workers)
     assert (stats.data["hit_tokens"], stats.data["failed_loads"]) == (4 * BS, 0)
-    assert stats.data["load_bytes"] == 4 * block_bytes  # every rank's bytes of 4 blocks
-    assert stats.data["store_bytes"] == 4 * block_bytes
+    # every rank's bytes of 4 blocks of each group (a sliding window group: its window's)
+    assert stats.data["load_bytes"] == h.reload_blocks(engine, 4) * block_bytes
+    groups = len(engine.kv_cache_config.kv_cache_groups)  # stored in one step: none freed yet
+    assert stats.data["store_bytes"] == 4 * groups * block_bytes
 
 
 def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
@@ -260,6 +278,7 @@ def test_reset_connector_cache_empties_the_tier(model_dir: str) -> None:
 
 def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
         model_dir: str, variant: h.Variant) -> None:
+    skip_one_group_pool(variant)
     # a's store held
     gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(variant.ranks)]
     engine = make_engine(model_dir, variant, gates=gates, num_gpu_blocks=10)
@@ -276,7 +295,7 @@ def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
     assert "a" in engine.scheduler.requests  # finished, blocks held for the store
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert all(pool.blocks[b].ref_cnt > 0 for b in a_blocks)
-    assert not any(a_blocks & set(w.states["e"].block_ids)
+    assert not any(a_blocks & set(w.states["e"].block_ids[0])
                    for w in engine.workers if "e" in w.states)
     assert "e" not in engine.finished
     for gate in gates:
@@ -293,6 +312,7 @@ def test_finished_request_keeps_its_blocks_while_its_store_is_in_flight(
 
 def test_preempted_request_store_finishes_before_its_blocks_are_rewritten(
         model_dir: str, variant: h.Variant) -> None:
+    skip_one_group_pool(variant)
     # e and a fill the pool; when e needs one more block, vLLM preempts a (the newest) and hands
     # its blocks to e while a's store (job 1) is held in flight on the copy thread. The flush
     # before that step's forward releases it and must wait for it.
@@ -355,6 +375,7 @@ def test_aborted_requests_store_only_what_was_computed_and_leak_nothing(
 
 def test_a_request_aborted_while_its_load_is_in_flight_keeps_its_blocks_until_the_load_ends(
         model_dir: str, variant: h.Variant) -> None:
+    skip_one_group_pool(variant)
     # The copy still writes into the aborted request's blocks: handing them to another request
     # before it ends would let it overwrite that request's KV. vLLM holds them until the
     # connector reports the load; the connector must report it when the copy ends, not before
