@@ -80,7 +80,7 @@ def test_load_writes_every_full_block_and_the_sliding_window_after_a_local_hit()
     # 1 block cached locally; vLLM allocates the window's sliding blocks only (4, 5)
     assert core.lookup("b", hs, BS, 6 * BS + 1) == 5 * BS
     assert core.plan_load("b", hs, [[40, 41, 42, 43, 44, 45], [NULL, NULL, NULL, NULL, 54, 55]],
-                          5 * BS) == (5, 0)
+                          5 * BS) == (5, 0, 0)
     (job,) = core.build_step().loads
     assert job.block_ids == (41, 42, 43, 44, 45, 54, 55)
     assert core._jobs[job.job_id].keys == ([NS.key(b"\x00" + h) for h in hs[1:]]
