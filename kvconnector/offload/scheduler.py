@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvconnector.offload.disk_tier import DiskPlanner
+from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import Namespace, block_hash_bytes
@@ -84,25 +85,6 @@ class OffloadCounters:
     disk_evictions: int = 0
     remote_lookup_failures: int = 0  # store lookups late or failed (answered from the CPU tier)
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
-
-
-@dataclass(frozen=True)
-class CacheGroup:
-    """One KV cache group as the scheduler sees it.
-
-    `prefix`: bytes before the block hash in its keys (b"" when it is the only group);
-    `window`: a sliding window group's window in tokens (None: full attention, every block of a
-    prefix is needed to resume it).
-    """
-
-    prefix: bytes = b""
-    window: int | None = None
-
-
-def window_blocks(window: int, block_size: int) -> int:
-    """Blocks a sliding window group keeps before a prefix end: vLLM frees the block table's
-    first (P * block_size - window + 1) // block_size blocks of a P-block prefix."""
-    return -(-(window - 1) // block_size)
 
 
 @dataclass

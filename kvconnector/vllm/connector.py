@@ -60,9 +60,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
 from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
+from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
-from kvconnector.offload.scheduler import CacheGroup, OffloadScheduler
+from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import JobReport
-from kvconnector.offload.scheduler import CacheGroup, OffloadScheduler, window_blocks
+from kvconnector.offload.scheduler import OffloadScheduler
 from transfer.keys import Namespace
 
 BS = 4
