@@ -429,3 +429,41 @@ def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: h.Varia
     assert sum(len(w.starts) for w in engine.workers) == len(engine.workers) * 32
 
 
+
+
+@pytest.mark.parametrize("variant", [p for p in VARIANTS if "hybrid" in p.id], indirect=True)
+def test_a_store_of_sliding_blocks_ends_before_vllm_frees_them(model_dir: str,
+                                                                variant: h.Variant) -> None:
+    # a's prompt store (job 0) is held on the copy thread; once a has computed past the window
+    # of its first sliding block, vLLM frees that block and may hand it out in the same step:
+    # that step's flush releases the held copy and must wait for it.
+    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(variant.ranks)]
+    engine = make_engine(model_dir, variant, gates=gates)
+    flushes: list[tuple[int, bool]] = []  # (rank, store 0 still in flight) per flush of it
+    for worker in engine.workers:
+        core = worker.connector._worker
+        original = core.flush
+
+        def flush(step, core=core, original=original, rank=worker.rank):
+            if 0 in step.flush:
+                flushes.append((rank, not core.engine.wait([0], timeout=0)))
+                gates[rank].hold[0].set()  # the copy may run now; flush must wait for it
+            original(step)
+            if 0 in step.flush:
+                assert core.engine.wait([0], timeout=0), "flush returned before the store ended"
+
+        core.flush = flush
+    prompt = make_prompt(31, 4 * BS + 6)
+    engine.drain_when_idle = False  # the held copy would block a quiet step's drain
+    engine.add("a", prompt, max_tokens=4)
+    engine.step()
+    job = engine.connector._scheduler._jobs[0]
+    assert (job.req_id, job.is_store, len(job.keys)) == ("a", True, 8)  # 4 blocks, 2 groups
+    engine.run(until=lambda: bool(flushes), max_steps=100)
+    engine.drain_when_idle = True
+    run_to_completion(engine, {"a": (prompt, 4)})
+    assert flushes == [(w.rank, True) for w in engine.workers]
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    run_to_completion(engine, {"b": (prompt, 4)})
+    assert all(w.starts["b"] == [4 * BS] for w in engine.workers)  # the held copy's bytes
