@@ -99,8 +99,9 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
 
-def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
-    """The first group's spec, once every group is checked to be one the connector moves."""
+def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec | SlidingWindowSpec:
+    """The first full-attention group's spec (else the first group's), once every group is
+    checked to be one the connector moves."""
     groups = kv_cache_config.kv_cache_groups
     specs: list[KVCacheSpec] = [g.kv_cache_spec for g in groups]
     for i, spec in enumerate(specs):
@@ -110,14 +111,16 @@ def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
             raise ValueError(f"CrossLayerOffloadConnector offloads full attention and sliding "
                              f"window KV cache groups; group {i} is a {type(spec).__name__} "
                              f"(groups: {[type(s).__name__ for s in specs]})")
-    if not isinstance(specs[0], FullAttentionSpec):
-        raise ValueError(f"the first KV cache group must be full attention, got "
-                         f"{[type(s).__name__ for s in specs]}")
     sizes = {spec.block_size for spec in specs}
     if len(sizes) != 1:
         raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} are not "
                          f"supported")
-    spec = specs[0]
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) != 1:  # vLLM's hybrid manager unifies them; a physical block is one page each
+        raise ValueError(f"KV cache groups with different page sizes {sorted(pages)} are not "
+                         f"supported")
+    # vLLM orders groups as it meets the layers (Gemma 3: sliding window first)
+    spec = next((s for s in specs if isinstance(s, FullAttentionSpec)), specs[0])
     if kv_cache_config.hash_block_size not in (None, spec.block_size):
         raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens but a "
                          f"block holds {spec.block_size}: they must be equal")

@@ -134,7 +134,7 @@ def test_bad_group_configurations_are_refused_by_name() -> None:
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"x"), CacheGroup(b"x", window=4)))
     with pytest.raises(ValueError, match="sliding window is a positive int, got 0"):
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"a"), CacheGroup(b"b", window=0)))
-    with pytest.raises(ValueError, match="remote or disk tier with several KV cache groups"):
+    with pytest.raises(ValueError, match="remote, disk or shared pool tier with several KV"):
         OffloadScheduler(NS, 4, BS, 1, groups=GROUPS, remote=True)
     with pytest.raises(ValueError, match="1 block tables for 2 KV cache groups"):
         make().plan_stores("a", hashes("a", 1), [5], BS)
