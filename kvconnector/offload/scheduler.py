@@ -5,12 +5,12 @@ hashes, GPU block ids, token counts) and ships what `build_step` returns to the 
 
 Every GPU block holds `block_size` tokens of every layer; its key is the namespace digest + the
 engine's chained block hash, so a key names a whole prefix. With several KV cache groups (vLLM's
-hybrid manager: full attention and sliding window groups sharing one block pool) a block id
-belongs to one group at a time and a slot holds one physical block; a group's keys carry its
+hybrid manager: full attention, sliding window and state groups sharing one block pool) a block
+id belongs to one group at a time and a slot holds one physical block; a group's keys carry its
 `CacheGroup.prefix` before the hash. A reload of a prefix of P blocks needs, per group, every
-block before P (full attention) or the blocks inside the window before P (sliding window: the
-others are vLLM's null block in the group's table), so `lookup` answers the longest prefix every
-group can serve. The block index
+block before P (full attention), the blocks inside the window before P (sliding window: the
+others are vLLM's null block in the group's table) or the block at P - 1 (a state group: the
+state there), so `lookup` answers the longest prefix every group can serve. The block index
 (transfer/block_index.py) maps keys to host pool slots; every worker owns a pool with the same
 slot count, so one slot id names one block of every rank.
 
@@ -154,6 +154,8 @@ class OffloadScheduler:
                                              not isinstance(group.window, int) or
                                              group.window <= 0):
                 raise ValueError(f"a sliding window is a positive int, got {group.window!r}")
+            if group.state and group.window is not None:
+                raise ValueError(f"a state group has no window, got {group!r}")
         if len(groups) > 1 and (remote or remote_only or disk is not None or index is not None):
             raise ValueError("a remote, disk or shared pool tier with several KV cache groups "
                              "is not supported")
@@ -191,6 +193,8 @@ class OffloadScheduler:
 
     def _needed(self, group: CacheGroup, start: int, end: int) -> range:
         """Positions of `group` a reload of blocks [start, end) writes."""
+        if group.state:
+            return range(max(start, end - 1), end)
         if group.window is None:
             return range(start, end)
         return range(max(start, end - window_blocks(group.window, self.block_size)), end)
@@ -349,7 +353,8 @@ class OffloadScheduler:
             leaves_at: int | None = None
             for group, table in zip(self.groups, tables, strict=True):
                 kept = [i for i in range(start, ready)
-                        if group.window is None or table[i] != self.null_block]
+                        if (group.window is None and not group.state)
+                        or table[i] != self.null_block]
                 for i, key in zip(kept, self._keys(group, [block_hashes[i] for i in kept]),
                                   strict=True):
                     position[key] = (table[i], i)

@@ -61,5 +61,7 @@ def write_tiny_lfm2(path: str | Path, seed: int = 0) -> str:
         num_hidden_layers=len(LFM2_LAYERS), layer_types=list(LFM2_LAYERS),
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
         initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # vLLM's Lfm2 reads these (LFM2's own configs carry them; transformers 5 does not)
+    config.conv_dim = config.block_dim = config.hidden_size
     torch.manual_seed(seed)
     return _randomize_and_save(Lfm2ForCausalLM(config).to(torch.bfloat16), path, seed)

@@ -138,3 +138,26 @@ def test_bad_group_configurations_are_refused_by_name() -> None:
         OffloadScheduler(NS, 4, BS, 1, groups=GROUPS, remote=True)
     with pytest.raises(ValueError, match="1 block tables for 2 KV cache groups"):
         make().plan_stores("a", hashes("a", 1), [5], BS)
+
+
+def test_a_state_group_needs_its_block_at_the_prefix_end_only() -> None:
+    # vLLM's align mode: the state group's block at position i holds the state after block i;
+    # the others in its table may be its null block (not kept).
+    groups = (CacheGroup(b"\x00", state=True), CacheGroup(b"\x01"))
+    core = OffloadScheduler(NS, 32, BS, 1, groups=groups, null_block=NULL)
+    hs = hashes("s", 6)
+    core.plan_stores("a", hs, [[NULL, 32, NULL, 34, NULL, 36], [1, 2, 3, 4, 5, 6]], 6 * BS)
+    (job,) = core.build_step().stores
+    assert job.block_ids == (32, 34, 36, 1, 2, 3, 4, 5, 6)  # null state blocks skipped
+    core.complete(JobReport(done={job.job_id: 1}))
+    # 6 blocks: state 5 stored; 5 blocks: state 4 missing, 4 blocks: state 3 stored
+    assert core.lookup("b", hs, 0, 6 * BS + 1) == 6 * BS
+    assert core.lookup("c", hs[:5], 0, 5 * BS + 1) == 4 * BS
+    # the load writes every attention block and the one state block
+    assert core.plan_load("c", hs[:5], [[40, 41, 42, 43, 44], [50, 51, 52, 53, 54]],
+                          4 * BS) == (4, 0, 0)
+    (load,) = core.build_step().loads
+    assert load.block_ids == (43, 50, 51, 52, 53)
+    with pytest.raises(ValueError, match="a state group has no window"):
+        OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"a", window=4, state=True),
+                                               CacheGroup(b"b")))

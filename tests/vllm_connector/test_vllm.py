@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -42,6 +43,7 @@ from kvconnector.vllm.connector import (  # noqa: E402
     ConnectorOptions,
     CrossLayerOffloadConnector,
     _largest_pp_stage,
+    _state_layers,
 )
 from kvconnector.vllm.stats import OffloadStats  # noqa: E402
 
@@ -133,11 +135,22 @@ def test_connector_refuses_a_pool_without_a_block_and_groups_it_cannot_move(
         KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)])
     groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, hybrid)._groups
     assert [(g.prefix, g.window) for g in groups] == [(b"\x00", None), (b"\x01", 64)]
-    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,))
+    # a state group keeps a state per block boundary only in vLLM's align mode
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,),
+                      page_size_padded=full.page_size_bytes)
     state = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["m1"], mamba)])
-    with pytest.raises(ValueError, match="group 1 is a MambaSpec"):
+    with pytest.raises(ValueError, match="group 1 is a MambaSpec \\(mamba_cache_mode 'none'"):
         CrossLayerOffloadConnector(config, KVConnectorRole.WORKER, state)
+    aligned = dataclasses.replace(mamba, mamba_cache_mode="align")
+    state.kv_cache_groups[1] = KVCacheGroupSpec(["m1"], aligned)
+    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, state)._groups
+    assert [(g.prefix, g.window, g.state) for g in groups] == [(b"\x00", None, False),
+                                                                (b"\x01", None, True)]
+    only_state = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["m1"], aligned)])
+    with pytest.raises(ValueError, match="no attention KV cache group to offload"):
+        CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, only_state)
     wide = dataclasses.replace(window, block_size=2 * BS)
     sizes = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], wide)])
@@ -222,3 +235,23 @@ def test_shutdown_releases_the_pool(model_dir: str) -> None:
     assert connector._worker is None
     with pytest.raises(RuntimeError, match="closed"):
         worker.engine.submit_load(99, [0], [1])
+
+
+def test_state_layers_must_lie_over_the_attention_pages() -> None:
+    # vLLM's hybrid layout: the state group's tensor aliases the attention group's bytes, so
+    # copying a block's attention pages copies its state; any other placement is refused.
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,),
+                      page_size_padded=full.page_size_bytes, mamba_cache_mode="align")
+    page = full.page_size_bytes
+    groups = [KVCacheGroupSpec(["m0", "m2"], mamba), KVCacheGroupSpec(["l1", "l3"], full)]
+
+    def tensors(state_offset: int) -> list[KVCacheTensor]:
+        return [KVCacheTensor(16 * page, ["m0", "m2"], 8 * page, page, state_offset),
+                KVCacheTensor(16 * page, ["l1", "l3"], 8 * page, page, 0)]
+
+    aliased = KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors(0), kv_cache_groups=groups)
+    assert _state_layers(aliased) == {"m0", "m2"}
+    apart = KVCacheConfig(num_blocks=8, kv_cache_tensors=tensors(page), kv_cache_groups=groups)
+    with pytest.raises(ValueError, match=r"state layers \['m0', 'm2'\] are not placed over"):
+        _state_layers(apart)
