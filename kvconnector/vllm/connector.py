@@ -21,11 +21,13 @@ private one: the scheduler's index is the daemon's, each worker maps the daemon'
 copies into its rank's part of each slot; the remote tier composes below it as below a private
 pool.
 
-Supported: KV cache groups of full attention (MLA included) and sliding window attention, any
-TP/PP size, vLLM 0.32 and 0.33. `SupportsHMA`: vLLM keeps its hybrid KV cache manager on. Its
-groups share one block pool and one set of buffers, so a host slot holds one physical block
-whichever group owns it; a group's keys carry its index. State groups (Mamba, linear attention)
-and a remote, disk or shared pool tier with several groups are refused (ValueError at start).
+Supported: KV cache groups of full attention (MLA included), sliding window attention and
+align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, vLLM 0.32 and
+0.33. `SupportsHMA`: vLLM keeps its hybrid KV cache manager on. Its groups share one block pool
+and one set of buffers, so a host slot holds one physical block whichever group owns it (a
+state group's bytes lie over the attention pages, which are what the worker copies); a group's
+keys carry its index. Chunked local attention groups, RSWA, and a remote, disk or shared pool
+tier with several groups are refused (ValueError at start).
 """
 
 from __future__ import annotations
