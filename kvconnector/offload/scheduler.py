@@ -358,9 +358,11 @@ class OffloadScheduler:
                 for i, key in zip(kept, self._keys(group, [block_hashes[i] for i in kept]),
                                   strict=True):
                     position[key] = (table[i], i)
-                if group.window is not None and kept:
-                    # vLLM frees the first block once n - window + 1 >= (kept[0] + 1) * block_size
-                    first = (kept[0] + 1) * self.block_size + group.window - 1
+                if (group.window is not None or group.state) and kept:
+                    # vLLM frees the first block once the tokens it skips, n - window + 1 (a
+                    # state group: n - 1, as a window of 2), reach (kept[0] + 1) * block_size
+                    reach = 2 if group.state else group.window
+                    first = (kept[0] + 1) * self.block_size + reach - 1
                     leaves_at = first if leaves_at is None else min(leaves_at, first)
             wanted.append((req_id, state, position, leaves_at))
         if not wanted:

@@ -52,22 +52,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    RSWASpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
 from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
-from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
+from kvconnector.vllm.groups import cache_groups, offloaded_spec, state_layers
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
     check_resolved,
@@ -102,73 +96,6 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
 
-def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec | SlidingWindowSpec:
-    """The first full-attention group's spec (else the first attention group's), once every
-    group is checked to be one the connector moves."""
-    groups = kv_cache_config.kv_cache_groups
-    specs: list[KVCacheSpec] = [g.kv_cache_spec for g in groups]
-    for i, spec in enumerate(specs):
-        # RSWA frees blocks inside a prefix; a state group holds a state per block boundary only
-        # in vLLM's "align" cache mode (prefix caching of hybrid state models).
-        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
-            continue
-        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec) or \
-                isinstance(spec, RSWASpec):
-            mode = f" (mamba_cache_mode {spec.mamba_cache_mode!r}, not 'align')" \
-                if isinstance(spec, MambaSpec) else ""
-            raise ValueError(f"CrossLayerOffloadConnector offloads full attention, sliding "
-                             f"window and align-mode state KV cache groups; group {i} is a "
-                             f"{type(spec).__name__}{mode} "
-                             f"(groups: {[type(s).__name__ for s in specs]})")
-    attention = [s for s in specs if not isinstance(s, MambaSpec)]
-    if not attention:
-        raise ValueError(f"no attention KV cache group to offload (groups: "
-                         f"{[type(s).__name__ for s in specs]})")
-    sizes = {spec.block_size for spec in specs}
-    if len(sizes) != 1:
-        raise ValueError(f"KV cache groups with different block sizes {sorted(sizes)} are not "
-                         f"supported")
-    pages = {spec.page_size_bytes for spec in specs}
-    if len(pages) != 1:  # vLLM's hybrid manager unifies them; a physical block is one page each
-        raise ValueError(f"KV cache groups with different page sizes {sorted(pages)} are not "
-                         f"supported")
-    # vLLM orders groups as it meets the layers (Gemma 3: sliding window first)
-    spec = next((s for s in attention if isinstance(s, FullAttentionSpec)), attention[0])
-    if kv_cache_config.hash_block_size not in (None, spec.block_size):
-        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens but a "
-                         f"block holds {spec.block_size}: they must be equal")
-    return spec
-
-
-def _cache_groups(kv_cache_config: KVCacheConfig) -> list[CacheGroup]:
-    """The scheduler core's view of the groups; one group keeps the keys it always had."""
-    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    return [CacheGroup(prefix=bytes([i]) if len(specs) > 1 else b"",
-                       window=spec.sliding_window if isinstance(spec, SlidingWindowSpec)
-                       else None, state=isinstance(spec, MambaSpec))
-            for i, spec in enumerate(specs)]
-
-
-def _state_layers(kv_cache_config: KVCacheConfig) -> set[str]:
-    """The state groups' layers, whose pages the worker does not copy itself: they lie over the
-    attention groups' bytes (each of their KVCacheTensors has an attention group's offset,
-    strides and at least as many layers), so copying a block's attention pages copies the state
-    a state group keeps in that block; anything else is refused."""
-    state = {name for g in kv_cache_config.kv_cache_groups
-             if isinstance(g.kv_cache_spec, MambaSpec) for name in g.layer_names}
-    placed = [t for t in kv_cache_config.kv_cache_tensors if not state & set(t.layers)]
-    for tensor in kv_cache_config.kv_cache_tensors:
-        if not state & set(tensor.layers):
-            continue
-        if not set(tensor.layers) <= state or not any(
-                (a.offset, a.layer_stride, a.block_stride) == (tensor.offset, tensor.layer_stride,
-                                                               tensor.block_stride)
-                and len(a.layers) >= len(tensor.layers) for a in placed):
-            raise ValueError(f"state layers {tensor.layers} are not placed over an attention "
-                             f"group's pages ({tensor}): their state would not be copied")
-    return state
-
-
 @dataclass
 class OffloadConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
@@ -199,7 +126,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = ConnectorOptions.parse(
             dict(self._kv_transfer_config.kv_connector_extra_config))
-        spec = _offloaded_spec(kv_cache_config)
+        spec = offloaded_spec(kv_cache_config)
         self._block_size = spec.block_size
         groups = kv_cache_config.kv_cache_groups
         # Groups share the buffers: a physical block holds the largest group's layers.
@@ -223,8 +150,9 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._remote is not None and len(groups) > 1:
             raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
                              f"(one group only)")
-        self._groups = _cache_groups(kv_cache_config)
-        self._windowed = any(g.window is not None for g in self._groups)
+        self._groups = cache_groups(kv_cache_config)
+        # groups whose blocks vLLM frees while the request runs (stores reading them: flushed)
+        self._windowed = any(g.window is not None or g.state for g in self._groups)
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
         parallel = vllm_config.parallel_config
@@ -300,7 +228,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         backends = resolved_backends(self._vllm_config, [name for group in config.kv_cache_groups
                                                          for name in group.layer_names])
         check_resolved(asked, why, resolved, backends, kv_dtype)  # before any pool is made
-        state = _state_layers(config)  # a state layer's entry is a list of state views
+        state = state_layers(config)  # a state layer's entry is a list of state views
         kv_caches = {name: tensor for name, tensor in kv_caches.items() if name not in state}
         device = next(iter(kv_caches.values())).device
         self._worker = OffloadWorker(
@@ -313,7 +241,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes,
                 self._vllm_config.parallel_config.rank))
         if self._remote is not None:
-            namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
+            namespace, writes = rank_namespace(self._namespace, offloaded_spec(config),
                                                self._vllm_config.parallel_config)
             remote = self._remote
             self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,

@@ -149,6 +149,12 @@ def test_a_state_group_needs_its_block_at_the_prefix_end_only() -> None:
     core.plan_stores("a", hs, [[NULL, 32, NULL, 34, NULL, 36], [1, 2, 3, 4, 5, 6]], 6 * BS)
     (job,) = core.build_step().stores
     assert job.block_ids == (32, 34, 36, 1, 2, 3, 4, 5, 6)  # null state blocks skipped
+    # vLLM frees state block 1 once 2 blocks and a token are computed (it keeps the last
+    # state only): the store reading it is finished before that step's forward
+    core.flush_windows({"a": 2 * BS})
+    assert core.build_step().flush == []
+    core.flush_windows({"a": 2 * BS + 1})
+    assert core.build_step().flush == [job.job_id]
     core.complete(JobReport(done={job.job_id: 1}))
     # 6 blocks: state 5 stored; 5 blocks: state 4 missing, 4 blocks: state 3 stored
     assert core.lookup("b", hs, 0, 6 * BS + 1) == 6 * BS
