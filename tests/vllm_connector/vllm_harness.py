@@ -311,11 +311,13 @@ def prompt_keys(engine: Engine, prompt: list[int]) -> list[bytes]:
 
 
 def stored_tokens(engine: Engine, prompt: list[int]) -> int:
-    """Tokens of the longest prefix of `prompt` the CPU tier can load now (every group)."""
+    """Tokens of the longest prefix of `prompt` the CPU tier holds now, as every group can load
+    it (the probe asks one token past the prompt: a lookup never answers the block holding a
+    request's last token)."""
     core = engine.connector._scheduler
     request = Request("probe", prompt, SamplingParams(max_tokens=1), None,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
-    tokens = core.lookup("probe", request.block_hashes, 0, len(prompt))
+    tokens = core.lookup("probe", request.block_hashes, 0, len(prompt) + 1)
     core._lookups.pop("probe")  # a probe, not an admission
     return tokens
 
