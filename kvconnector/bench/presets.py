@@ -39,6 +39,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("qwen3-32b", "Qwen/Qwen3-32B", 64, 8, 128, 16),
     # MLA: kv_lora_rank 512 + qk_rope_head_dim 64, FlashMLA's 64-token blocks; replicated per rank.
     Preset("deepseek-v3", "deepseek-ai/DeepSeek-V3", 61, 1, 576, 64, KVForm.MLA),
+    # Hybrid (vLLM's hybrid manager on): 36 layers, sliding window (128) and full alternating,
+    # in 2 KV cache groups of 18 sharing the buffers: a physical block is a page of 18 layers.
+    Preset("gpt-oss-120b-hma", "openai/gpt-oss-120b", 18, 8, 64, 16),
 )}
 
 

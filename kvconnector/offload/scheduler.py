@@ -4,7 +4,13 @@ No vLLM imports: the vLLM adapter (kvconnector.vllm) feeds it plain values (requ
 hashes, GPU block ids, token counts) and ships what `build_step` returns to the workers.
 
 Every GPU block holds `block_size` tokens of every layer; its key is the namespace digest + the
-engine's chained block hash, so a key names a whole prefix. The block index
+engine's chained block hash, so a key names a whole prefix. With several KV cache groups (vLLM's
+hybrid manager: full attention, sliding window and state groups sharing one block pool) a block
+id belongs to one group at a time and a slot holds one physical block; a group's keys carry its
+`CacheGroup.prefix` before the hash. A reload of a prefix of P blocks needs, per group, every
+block before P (full attention), the blocks inside the window before P (sliding window: the
+others are vLLM's null block in the group's table) or the block at P - 1 (a state group: the
+state there), so `lookup` answers the longest prefix every group can serve. The block index
 (transfer/block_index.py) maps keys to host pool slots; every worker owns a pool with the same
 slot count, so one slot id names one block of every rank.
 
@@ -42,13 +48,14 @@ Block safety (a GPU block must not be reused while a store still reads it):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvconnector.offload.disk_tier import DiskPlanner
+from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from transfer.block_index import BlockIndex, StorePlan
-from transfer.keys import Namespace
+from transfer.keys import Namespace, block_hash_bytes
 from transfer.shared.client import SharedIndex
 
 
@@ -93,6 +100,9 @@ class _Job:
     disk_keys: list[bytes] = field(default_factory=list)  # load: read from disk (pinned there)
     # a shared pool's store (or fetch): rank -> checksums of the blocks it wrote
     sums: dict[int, list[int]] = field(default_factory=dict)
+    # store of sliding window blocks: vLLM frees one of them once the request's computed
+    # tokens reach this; the job must be flushed before a forward may write the block again
+    leaves_at: int | None = None
 
 
 @dataclass
@@ -132,10 +142,26 @@ class OffloadScheduler:
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
                  policy: str = "lru", *, remote: bool = False, remote_only: bool = False,
-                 disk: DiskPlanner | None = None, index: SharedIndex | None = None) -> None:
+                 disk: DiskPlanner | None = None, index: SharedIndex | None = None,
+                 groups: Sequence[CacheGroup] = (CacheGroup(),), null_block: int = 0) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not groups or len({g.prefix for g in groups}) != len(groups):
+            raise ValueError(f"groups need distinct key prefixes, got {list(groups)!r}")
+        for group in groups:
+            if group.window is not None and (isinstance(group.window, bool) or
+                                             not isinstance(group.window, int) or
+                                             group.window <= 0):
+                raise ValueError(f"a sliding window is a positive int, got {group.window!r}")
+            if group.state and group.window is not None:
+                raise ValueError(f"a state group has no window, got {group!r}")
+        if len(groups) > 1 and (remote or remote_only or disk is not None or index is not None):
+            raise ValueError("a remote, disk or shared pool tier with several KV cache groups "
+                             "is not supported")
+        self.groups = tuple(groups)
+        self.null_block = null_block  # the engine's placeholder for a freed block (vLLM: 0)
+        self._windowed: set[int] = set()  # store jobs with a `leaves_at`
         self.namespace = namespace
         self.block_size = block_size
         self.num_workers = num_workers
@@ -160,11 +186,24 @@ class OffloadScheduler:
 
     # ---- lookups (no side effects on the tier) -------------------------------------------
 
+    def _keys(self, group: CacheGroup, block_hashes: Sequence[bytes]) -> list[bytes]:
+        if not group.prefix:
+            return self.namespace.keys(list(block_hashes))
+        return [self.namespace.key(group.prefix + block_hash_bytes(h)) for h in block_hashes]
+
+    def _needed(self, group: CacheGroup, start: int, end: int) -> range:
+        """Positions of `group` a reload of blocks [start, end) writes."""
+        if group.state:
+            return range(max(start, end - 1), end)
+        if group.window is None:
+            return range(start, end)
+        return range(max(start, end - window_blocks(group.window, self.block_size)), end)
+
     def lookup(self, req_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
                num_tokens: int) -> int:
         """Tokens past `num_computed_tokens` (block aligned) that the tier can load now: the
-        longest run of stored keys, never the block holding the last token. Remembers the range
-        asked about for the hit/miss counts."""
+        longest prefix every group can serve (see module doc), never the block holding the last
+        token. Remembers the range asked about for the hit/miss counts."""
         if num_computed_tokens % self.block_size:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} is not a multiple of "
                              f"the block size {self.block_size}")
@@ -173,9 +212,25 @@ class OffloadScheduler:
         # leave vLLM one token to compute (decode-shaped), whose logprobs differ from the
         # prefill that produced the stored blocks.
         end = min(len(block_hashes), (num_tokens - 1) // self.block_size)
-        keys = self.namespace.keys(list(block_hashes[start:end]))
-        hits = self.index.lookup_prefix(keys)
-        lookup = self._lookups[req_id] = _Lookup(start, len(keys), hits, keys[hits:])
+        hashes = list(block_hashes[start:end])
+        if len(self.groups) == 1:
+            keys = self._keys(self.groups[0], hashes)
+            hits = self.index.lookup_prefix(keys)
+            rest = keys[hits:]
+        else:
+            # runs[g][i]: stored blocks of group g ending at position start + i
+            runs = []
+            for group in self.groups:
+                run, counts = 0, []
+                for key in self._keys(group, hashes):
+                    run = run + 1 if self.index.contains(key) else 0
+                    counts.append(run)
+                runs.append(counts)
+            hits = next((p for p in range(len(hashes), 0, -1)
+                         if all(counts[p - 1] >= len(self._needed(group, start, start + p))
+                                for group, counts in zip(self.groups, runs, strict=True))), 0)
+            rest = []
+        lookup = self._lookups[req_id] = _Lookup(start, len(hashes), hits, rest)
         if self.disk is not None:  # room: slots to read into, past the hits the load pins
             lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
                 lookup.rest, max(0, self.index.num_reclaimable - hits))
@@ -199,11 +254,23 @@ class OffloadScheduler:
 
     # ---- planning --------------------------------------------------------------------------
 
-    def plan_load(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
-                  num_external_tokens: int) -> tuple[int, int]:
+    def _tables(self, block_ids: Sequence[Sequence[int]] | Sequence[int]) -> list[Sequence[int]]:
+        """The request's block table per group (a flat list: the only group's)."""
+        if len(block_ids) and not isinstance(block_ids[0], int):
+            tables = list(block_ids)
+        else:
+            tables = [block_ids]
+        if len(tables) != len(self.groups):
+            raise ValueError(f"{len(tables)} block tables for {len(self.groups)} KV cache groups")
+        return tables
+
+    def plan_load(self, req_id: str, block_hashes: Sequence[bytes],
+                  block_ids: Sequence[Sequence[int]] | Sequence[int],
+                  num_external_tokens: int) -> tuple[int, int, int]:
         """Load `num_external_tokens` after the last lookup's start into the request's blocks
-        (`block_ids`: its whole block table). Also counts the admission's hits and misses.
-        Returns blocks from (the CPU tier, the disk tier, the remote store)."""
+        (`block_ids`: its whole block table, one per group). Also counts the admission's hits
+        and misses. Returns blocks from (the CPU tier, the disk tier, the remote store)."""
+        tables = self._tables(block_ids)
         lookup = self._lookups.pop(req_id, None) or _Lookup(0, 0, 0, [])
         start, asked = lookup.start, lookup.asked
         hit_blocks, rest = divmod(num_external_tokens, self.block_size)
@@ -223,10 +290,16 @@ class OffloadScheduler:
         disk_keys, fetch_keys = lookup.rest[:disk_blocks], lookup.rest[disk_blocks:hit_blocks
                                                                            - cpu_blocks]
         state = self._requests.setdefault(req_id, _Request())
-        if len(block_ids) < start + hit_blocks:
-            raise ValueError(f"request {req_id!r}: {len(block_ids)} blocks allocated, the load "
-                             f"needs {start + hit_blocks}")
-        keys = self.namespace.keys(list(block_hashes[start:start + cpu_blocks]))
+        keys: list[bytes] = []
+        destination: list[int] = []
+        for group, table in zip(self.groups, tables, strict=True):
+            if len(table) < start + hit_blocks:
+                raise ValueError(f"request {req_id!r}: {len(table)} blocks allocated, the load "
+                                 f"needs {start + hit_blocks}")
+            # Blocks read or fetched are past the CPU tier's (one group only).
+            needed = self._needed(group, start, start + cpu_blocks)
+            keys += self._keys(group, [block_hashes[i] for i in needed])
+            destination += [table[i] for i in self._needed(group, start, start + hit_blocks)]
         plan = self.index.prepare_load(keys)
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, disk_keys, fetch_keys = [], [], []
@@ -248,52 +321,86 @@ class OffloadScheduler:
         job_id = self._add_job(state, req_id, False, keys, start)
         self._jobs[job_id].fetch_keys = disk_keys + fetch_keys
         self._jobs[job_id].disk_keys = disk_keys
-        destination = tuple(block_ids[start:start + hit_blocks])
-        self._step.loads.append(TransferJob(job_id, req_id, destination, tuple(slots),
+        self._step.loads.append(TransferJob(job_id, req_id, tuple(destination), tuple(slots),
                                             tuple(fetch_keys), fail, tuple(disk_keys),
                                             tuple(disk_slots), self.index.segment,
                                             tuple(keys) if sums else (), sums))
         return cpu_blocks, disk_blocks, remote_blocks
 
-    def plan_stores(self, req_id: str, block_hashes: Sequence[bytes], block_ids: Sequence[int],
+    def plan_stores(self, req_id: str, block_hashes: Sequence[bytes],
+                    block_ids: Sequence[Sequence[int]] | Sequence[int],
                     num_ready_tokens: int) -> None:
         """Store the request's full blocks whose KV is complete once `num_ready_tokens` are
-        computed and that the tier lacks; each block is considered once per request life."""
+        computed and that the tier lacks; each block is considered once per request life. A
+        sliding window group's blocks the engine already freed (its null block) are skipped."""
         self.plan_step_stores([(req_id, block_hashes, block_ids, num_ready_tokens)])
 
-    def plan_step_stores(self, requests: Sequence[tuple[str, Sequence[bytes], Sequence[int],
+    def plan_step_stores(self, requests: Sequence[tuple[str, Sequence[bytes],
+                                                        Sequence[Sequence[int]] | Sequence[int],
                                                         int]]) -> None:
         """`plan_stores` for each (request, hashes, block ids, ready tokens) of a step, with one
         call to the index for all of them (one round trip to a shared pool's daemon)."""
         wanted = []
         for req_id, block_hashes, block_ids, num_ready_tokens in requests:
+            tables = self._tables(block_ids)
             state = self._requests.setdefault(req_id, _Request())
-            ready = min(num_ready_tokens // self.block_size, len(block_hashes), len(block_ids))
+            ready = min([num_ready_tokens // self.block_size, len(block_hashes)]
+                        + [len(table) for table in tables])
             if ready <= state.stored_upto:
                 continue
             start, state.stored_upto = state.stored_upto, ready
-            keys = self.namespace.keys(list(block_hashes[start:ready]))
-            wanted.append((req_id, state, block_ids, start, keys))
+            position: dict[bytes, tuple[int, int]] = {}  # key -> (its block id, position)
+            leaves_at: int | None = None
+            for group, table in zip(self.groups, tables, strict=True):
+                kept = [i for i in range(start, ready)
+                        if (group.window is None and not group.state)
+                        or table[i] != self.null_block]
+                for i, key in zip(kept, self._keys(group, [block_hashes[i] for i in kept]),
+                                  strict=True):
+                    position[key] = (table[i], i)
+                if (group.window is not None or group.state) and kept:
+                    # vLLM frees the first block once the tokens it skips, n - window + 1 (a
+                    # state group: n - 1, as a window of 2), reach (kept[0] + 1) * block_size
+                    reach = 2 if group.state else group.window
+                    first = (kept[0] + 1) * self.block_size + reach - 1
+                    leaves_at = first if leaves_at is None else min(leaves_at, first)
+            wanted.append((req_id, state, position, leaves_at))
         if not wanted:
             return
         # Skips keys stored or being stored (by an earlier request of the batch too).
-        plans = self.index.prepare_stores([keys for *_, keys in wanted])
-        for (req_id, state, block_ids, start, keys), plan in zip(wanted, plans, strict=True):
+        plans = self.index.prepare_stores([list(position) for _, _, position, _ in wanted])
+        for (req_id, state, position, leaves_at), plan in zip(wanted, plans, strict=True):
             self._counters.unplaced_blocks += len(plan.not_placed)
             self._spill_evicted(plan)
             if not plan.keys:
                 continue
-            position = {key: start + i for i, key in enumerate(keys)}
-            job_id = self._add_job(state, req_id, True, plan.keys, position[plan.keys[0]])
+            first_block = min(position[k][1] for k in plan.keys)
+            job_id = self._add_job(state, req_id, True, plan.keys, first_block)
+            if leaves_at is not None:
+                self._jobs[job_id].leaves_at = leaves_at
+                self._windowed.add(job_id)
             if self.remote:
                 self._puts[job_id] = _Put(list(plan.keys), self.num_workers, self.index.epoch)
             self._step.stores.append(TransferJob(job_id, req_id,
-                                                 tuple(block_ids[position[k]] for k in plan.keys),
+                                                 tuple(position[k][0] for k in plan.keys),
                                                  tuple(plan.slots),
                                                  tuple(plan.keys) if self.remote else (),
                                                  pool=self.index.segment,
                                                  checked=tuple(plan.keys) if self.checked
                                                  else ()))
+
+    def flush_windows(self, num_computed_tokens: Mapping[str, int]) -> None:
+        """vLLM frees a sliding window group's blocks that fell out of the window once a request
+        has computed that far, and may hand them out in the same step: the store jobs still
+        reading such blocks are finished before this step's forward. `num_computed_tokens`:
+        each live request's computed tokens (a request missing from it counts as past every
+        window)."""
+        for job_id in list(self._windowed):
+            job = self._jobs[job_id]
+            done = num_computed_tokens.get(job.req_id)
+            if done is None or job.leaves_at is None or done >= job.leaves_at:
+                self._step.flush.append(job_id)
+                self._windowed.discard(job_id)
 
     def request_preempted(self, req_id: str) -> None:
         """The request's blocks were freed: its stores in flight must finish before the next
@@ -301,14 +408,18 @@ class OffloadScheduler:
         state = self._requests.get(req_id)
         if state is None:
             return
-        self._step.flush.extend(j for j in state.jobs if self._jobs[j].is_store)
+        flush = [j for j in state.jobs if self._jobs[j].is_store]
+        self._step.flush.extend(flush)
+        self._windowed.difference_update(flush)
         state.stored_upto = 0
 
     def request_finished(self, req_id: str, block_hashes: Sequence[bytes],
-                         block_ids: Sequence[int], num_ready_tokens: int) -> bool:
+                         block_ids: Sequence[Sequence[int]] | Sequence[int],
+                         num_ready_tokens: int) -> bool:
         """Plan the request's last stores; True when its blocks must stay allocated until every
         worker reports it finished sending (stores in flight or planned). A request waiting for
-        a load is never held: vLLM frees it when the load finishes."""
+        a load is never held: vLLM frees it when the load finishes. `block_ids`: what the engine
+        keeps (its stores in flight that read other blocks are flushed by `flush_windows`)."""
         self._lookups.pop(req_id, None)
         state = self._requests.get(req_id)
         if state is None:
@@ -316,7 +427,9 @@ class OffloadScheduler:
         state.finished = True
         held = False
         if all(self._jobs[j].is_store for j in state.jobs):
+            before = set(state.jobs)
             self.plan_stores(req_id, block_hashes, block_ids, num_ready_tokens)
+            self._windowed -= state.jobs - before  # they read blocks the engine now holds
             held = bool(state.jobs)
             if held:
                 self._step.held.append(req_id)
@@ -388,6 +501,7 @@ class OffloadScheduler:
 
     def _finish(self, job_id: int) -> None:
         job = self._jobs.pop(job_id)
+        self._windowed.discard(job_id)
         state = self._requests[job.req_id]
         state.jobs.discard(job_id)
         live = job.epoch == self.index.epoch  # else its lease went with an old connection

@@ -21,8 +21,13 @@ private one: the scheduler's index is the daemon's, each worker maps the daemon'
 copies into its rank's part of each slot; the remote tier composes below it as below a private
 pool.
 
-Supported: one KV cache group of full attention (MLA included), any TP/PP size, vLLM 0.32 and
-0.33. Not SupportsHMA: vLLM turns the hybrid KV cache manager off for this connector.
+Supported: KV cache groups of full attention (MLA included), sliding window attention and
+align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, vLLM 0.32 and
+0.33. `SupportsHMA`: vLLM keeps its hybrid KV cache manager on. Its groups share one block pool
+and one set of buffers, so a host slot holds one physical block whichever group owns it (a
+state group's bytes lie over the attention pages, which are what the worker copies); a group's
+keys carry its index. Chunked local attention groups, RSWA, and a remote, disk or shared pool
+tier with several groups are refused (ValueError at start).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -46,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
@@ -55,6 +61,7 @@ from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
+from kvconnector.vllm.groups import cache_groups, offloaded_spec, state_layers
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
     check_resolved,
@@ -62,7 +69,12 @@ from kvconnector.vllm.layout_choice import (
     layout_request,
     resolved_backends,
 )
-from kvconnector.vllm.namespace import disk_namespace, engine_namespace, rank_namespace
+from kvconnector.vllm.namespace import (
+    disk_namespace,
+    engine_namespace,
+    rank_namespace,
+    with_groups,
+)
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
 from transfer.copy.base import CopyBackend
@@ -84,19 +96,6 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
 
-def _offloaded_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        specs = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ValueError(f"CrossLayerOffloadConnector supports one full-attention KV cache "
-                         f"group, got {len(groups)}: {specs}")
-    spec = groups[0].kv_cache_spec
-    if kv_cache_config.hash_block_size not in (None, spec.block_size):
-        raise ValueError(f"block hashes cover {kv_cache_config.hash_block_size} tokens but a "
-                         f"block holds {spec.block_size}: they must be equal")
-    return spec
-
-
 @dataclass
 class OffloadConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, once per step."""
@@ -117,7 +116,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return OffloadWorkerMetadata(self.report.merged(other.report))
 
 
-class CrossLayerOffloadConnector(KVConnectorBase_V1):
+class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector with a CPU tier of whole blocks (see module doc)."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -127,9 +126,11 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = ConnectorOptions.parse(
             dict(self._kv_transfer_config.kv_connector_extra_config))
-        spec = _offloaded_spec(kv_cache_config)
+        spec = offloaded_spec(kv_cache_config)
         self._block_size = spec.block_size
-        num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+        groups = kv_cache_config.kv_cache_groups
+        # Groups share the buffers: a physical block holds the largest group's layers.
+        num_layers = max(len(g.layer_names) for g in groups)
         # The scheduler counts slots for every worker but sees stage 0's layers only; under PP
         # stages differ (62 layers / 4 -> 15, 16, 16, 15), so size slots by the largest stage.
         slot_layers = max(num_layers, _largest_pp_stage(vllm_config))
@@ -146,18 +147,31 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._pool_index: SharedIndex | None = None
         self._remote = self.options.remote()
+        if self._remote is not None and len(groups) > 1:
+            raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
+                             f"(one group only)")
+        self._groups = cache_groups(kv_cache_config)
+        # groups whose blocks vLLM frees while the request runs (stores reading them: flushed)
+        self._windowed = any(g.window is not None or g.state for g in self._groups)
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
         parallel = vllm_config.parallel_config
-        self._namespace = engine_namespace(vllm_config, spec, num_layers,
-                                           parallel.tensor_parallel_size)
+        self._namespace = with_groups(
+            engine_namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size),
+            [(g.kv_cache_spec, g.layer_names) for g in groups])
         self._disk = self.options.disk()
         if self._disk is not None:
+            if len(groups) > 1:
+                raise ValueError(f"disk_path with {len(groups)} KV cache groups is not "
+                                 f"supported (one group only)")
             self._num_disk_slots = self._disk.num_slots(slot_bytes)
             if self._num_disk_slots == 0:
                 raise ValueError(f"disk_bytes {self._disk.num_bytes} holds no block of "
                                  f"{slot_bytes} B (and its 4 KiB footer)")
         if self.options.pool:
+            if len(groups) > 1:
+                raise ValueError(f"pool with {len(groups)} KV cache groups is not supported "
+                                 f"(one group only)")
             # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
             # with other PP sizes place ranks differently, so they get keys of their own.
             self._namespace = dataclasses.replace(
@@ -173,7 +187,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
                 self._namespace, index.num_slots if index else self._num_slots,
                 spec.block_size, parallel.world_size, self.options.eviction, remote=remote,
                 remote_only=remote and self._remote.only, disk=self._disk_planner(),
-                index=index)
+                index=index, groups=self._groups)
             if self._remote is not None:
                 self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
 
@@ -214,17 +228,20 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         backends = resolved_backends(self._vllm_config, [name for group in config.kv_cache_groups
                                                          for name in group.layer_names])
         check_resolved(asked, why, resolved, backends, kv_dtype)  # before any pool is made
+        state = state_layers(config)  # a state layer's entry is a list of state views
+        kv_caches = {name: tensor for name, tensor in kv_caches.items() if name not in state}
         device = next(iter(kv_caches.values())).device
         self._worker = OffloadWorker(
-            kv_caches, self._num_slots, cache_groups=[g.layer_names for g in
-                                                      config.kv_cache_groups],
+            kv_caches, self._num_slots, cache_groups=[
+                g.layer_names for g in config.kv_cache_groups
+                if not isinstance(g.kv_cache_spec, MambaSpec)],
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes,
             shared=None if not self.options.pool else SharedPart(
                 self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes,
                 self._vllm_config.parallel_config.rank))
         if self._remote is not None:
-            namespace, writes = rank_namespace(self._namespace, _offloaded_spec(config),
+            namespace, writes = rank_namespace(self._namespace, offloaded_spec(config),
                                                self._vllm_config.parallel_config)
             remote = self._remote
             self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,
@@ -237,8 +254,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
                             self._num_disk_slots)
             self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
         advise = advise_block_outermost(asked, backends, kv_dtype)
+        how = self._worker.describe(advise)
+        if len(config.kv_cache_groups) > 1:  # they share the buffers: one decision for all
+            how = (f"KV cache groups ["
+                   f"{', '.join(type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups)}"
+                   f"] share each block; {how}")
         logger.info("%s", layout_line(self._vllm_config.parallel_config.rank, asked, why, resolved,
-                                      backends, self._worker.describe(advise)))
+                                      backends, how))
 
     def _jobs(self) -> StepJobs:
         if not isinstance(self._connector_metadata, OffloadConnectorMetadata):
@@ -272,7 +294,10 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         events = self._running_worker().poll()
-        self._load_errors |= events.failed_block_ids
+        if len(self._groups) == 1:
+            self._load_errors |= events.failed_block_ids
+        # (several groups: block ids repeat across groups, so vLLM takes failed requests only,
+        # and recomputes them whole, or fails them under the "fail" policy)
         return KVConnectorTransferResults(finished_sending=events.finished_sending,
                                           finished_recving=events.finished_loads,
                                           failed_recving=events.failed_loads)
@@ -335,7 +360,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         split = self._core().plan_load(request.request_id, request.block_hashes,
-                                       blocks.get_block_ids()[0], num_external_tokens)
+                                       blocks.get_block_ids(), num_external_tokens)
         if split[1] or split[2]:  # for get_external_cache_hit_sources, which vLLM calls next
             self._hit_split[request.request_id] = tuple(n * self._block_size for n in split)
         elif num_external_tokens:  # a new plan from the host pool alone (the 0-token call
@@ -354,11 +379,15 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
         core = self._core()
         for req_id in scheduler_output.preempted_req_ids or ():
             core.request_preempted(req_id)
+        scheduled = scheduler_output.num_scheduled_tokens
+        if self._windowed:  # before this step's stores: only jobs already sent can be flushed
+            core.flush_windows({req_id: r.num_computed_tokens + scheduled.get(req_id, 0)
+                                for req_id, r in self._requests.items()})
         stores = []
-        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+        for req_id, num_new in scheduled.items():
             request = self._requests[req_id]
             stores.append((req_id, request.block_hashes,
-                           self._kv_cache_manager.get_block_ids(req_id)[0],
+                           self._kv_cache_manager.get_block_ids(req_id),
                            request.num_computed_tokens + num_new))
         core.plan_step_stores(stores)  # one call to the index for the whole step
         return OffloadConnectorMetadata(core.build_step())
@@ -370,6 +399,12 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Called once a request finished in every group, with the blocks vLLM still holds
+        (a sliding window group's freed ones are its null block)."""
         self._requests.pop(request.request_id, None)
         self._hit_split.pop(request.request_id, None)
         if self._remote_lookups is not None:

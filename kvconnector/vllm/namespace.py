@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from transfer.keys import Namespace
 
@@ -36,6 +42,22 @@ def engine_namespace(vllm_config: VllmConfig, spec: FullAttentionSpec, num_layer
                      block_layout=block_layout, tp_size=tp_size,
                      hash_algo=vllm_config.cache_config.prefix_caching_hash_algo,
                      hash_seed=os.environ.get("PYTHONHASHSEED", ""))
+
+
+def with_groups(engine: Namespace, groups: Sequence[tuple[KVCacheSpec, Sequence[str]]]
+                ) -> Namespace:
+    """Several KV cache groups share each physical block (vLLM's hybrid manager): which layers
+    each group keeps there, and as what, is part of what a slot's bytes mean. One group: the
+    namespace is unchanged (so are its keys)."""
+    if len(groups) == 1:
+        return engine
+    parts = []
+    for i, (spec, layers) in enumerate(groups):
+        window = f" W={spec.sliding_window}" if isinstance(spec, SlidingWindowSpec) else ""
+        parts.append(f"{i}:{type(spec).__name__}{window} page={spec.page_size_bytes} "
+                     f"layers={','.join(layers)}")
+    return dataclasses.replace(engine, block_layout=f"{engine.block_layout} "
+                                                    f"groups[{'; '.join(parts)}]")
 
 
 def same_bytes_on_every_tp_rank(spec: FullAttentionSpec, parallel: ParallelConfig) -> bool:

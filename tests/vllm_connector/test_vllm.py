@@ -6,6 +6,7 @@ The acceptance scenarios in every engine variant are in vllm_connector/test_vllm
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -25,6 +26,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm_harness import (  # noqa: E402
@@ -58,11 +60,13 @@ def test_factory_loads_the_class_from_the_module_path_in_both_roles(model_dir: s
     assert engine.connector.role is KVConnectorRole.SCHEDULER
     assert [type(w.connector) for w in engine.workers] == [CrossLayerOffloadConnector] * 2
     assert all(w.connector.role is KVConnectorRole.WORKER for w in engine.workers)
-    # The layout the connector asked for is what vLLM resolved; vLLM turned HMA off for it.
+    # The layout the connector asked for is what vLLM resolved. SupportsHMA: vLLM's config does
+    # not turn the hybrid manager off for it (this CUDA wheel on a CPU machine sees no platform,
+    # which turns it off by itself; the harness's hybrid engines turn it back on).
     assert CrossLayerOffloadConnector.get_required_kvcache_layout(config) == "BLNHC"
     assert config.cache_config.kv_cache_layout == "BLNHC"
-    assert not supports_hma(CrossLayerOffloadConnector)
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+    assert supports_hma(CrossLayerOffloadConnector)
+    assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
     assert not engine.connector.requires_kv_delivery
     assert engine.connector._scheduler.num_workers == 2
 
@@ -113,7 +117,8 @@ def test_options_refuse_bad_values(extra: dict, message: str) -> None:
         ConnectorOptions.parse(extra)
 
 
-def test_connector_refuses_a_pool_without_a_block_and_hybrid_groups(model_dir: str) -> None:
+def test_connector_refuses_a_pool_without_a_block_and_groups_it_cannot_move(
+        model_dir: str) -> None:
     config = h.make_vllm_config(h.EngineSetup(model_dir=model_dir,
                                               extra_config={"cpu_bytes": 100}))
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
@@ -126,8 +131,33 @@ def test_connector_refuses_a_pool_without_a_block_and_hybrid_groups(model_dir: s
                                dtype=torch.bfloat16, sliding_window=64)
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)])
-    with pytest.raises(ValueError, match="one full-attention KV cache group, got 2"):
-        CrossLayerOffloadConnector(config, KVConnectorRole.WORKER, hybrid)
+    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, hybrid)._groups
+    assert [(g.prefix, g.window) for g in groups] == [(b"\x00", None), (b"\x01", 64)]
+    # a state group keeps a state per block boundary only in vLLM's align mode
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,),
+                      page_size_padded=full.page_size_bytes)
+    state = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["m1"], mamba)])
+    with pytest.raises(ValueError, match="group 1 is a MambaSpec \\(mamba_cache_mode 'none'"):
+        CrossLayerOffloadConnector(config, KVConnectorRole.WORKER, state)
+    aligned = dataclasses.replace(mamba, mamba_cache_mode="align")
+    state.kv_cache_groups[1] = KVCacheGroupSpec(["m1"], aligned)
+    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, state)._groups
+    assert [(g.prefix, g.window, g.state) for g in groups] == [(b"\x00", None, False),
+                                                                (b"\x01", None, True)]
+    only_state = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["m1"], aligned)])
+    with pytest.raises(ValueError, match="no attention KV cache group to offload"):
+        CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, only_state)
+    wide = dataclasses.replace(window, block_size=2 * BS)
+    sizes = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], wide)])
+    with pytest.raises(ValueError, match=f"different block sizes \\[{BS}, {2 * BS}\\]"):
+        CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, sizes)
+    config.kv_transfer_config.kv_connector_extra_config["remote_url"] = "tcp://127.0.0.1:1"
+    config.kv_transfer_config.kv_connector_extra_config["remote_security"] = "none"
+    with pytest.raises(ValueError, match="remote_url with 2 KV cache groups"):
+        CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, hybrid)
 
 
 def test_stats_aggregate_reduce_and_reach_prometheus(model_dir: str) -> None:
@@ -203,3 +233,4 @@ def test_shutdown_releases_the_pool(model_dir: str) -> None:
     assert connector._worker is None
     with pytest.raises(RuntimeError, match="closed"):
         worker.engine.submit_load(99, [0], [1])
+

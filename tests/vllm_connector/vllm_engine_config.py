@@ -26,7 +26,12 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.utils import get_pp_indices  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm_fake_worker import (  # noqa: E402
     BLOCK_SIZE,
     DTYPE,
@@ -81,6 +86,9 @@ class EngineSetup:
     # TRITON_MLA with `mla`): the connector's layout request reads it, and vLLM resolves the
     # layout among the layouts its class declares. No kernel of it runs.
     backend: str | None = None
+    # Hybrid: the odd layers are sliding window attention over this many tokens (vLLM's
+    # SlidingWindowSpec), kept in a KV cache group of their own by vLLM's hybrid manager.
+    sliding_window: int | None = None
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -95,7 +103,7 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
         speculative = SpeculativeConfig(method="ngram_gpu" if setup.async_scheduling else "ngram",
                                         num_speculative_tokens=setup.num_speculative_tokens,
                                         prompt_lookup_min=1, prompt_lookup_max=3)
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
             max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -116,10 +124,21 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
                                          if setup.mla else AttentionBackendEnum.TRITON_ATTN),
         speculative_config=speculative,
         device_config=DeviceConfig("cpu"))
+    if setup.sliding_window is not None:
+        # This CUDA wheel on a CPU machine sees no platform, which turns the hybrid manager off
+        # by itself; a CUDA machine or vLLM's CPU build keeps it on for a SupportsHMA connector.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
 
 
-def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS),
-                mla: bool = False) -> dict[str, FullAttentionSpec]:
+def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS), mla: bool = False,
+                sliding_window: int | None = None) -> dict[str, KVCacheSpec]:
+    if sliding_window is not None:  # odd layers slide
+        return {f"model.layers.{i}.self_attn.attn": SlidingWindowSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
+            dtype=DTYPE, sliding_window=sliding_window) if i % 2 else FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
+            dtype=DTYPE) for i in layers}
     if mla:
         return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=MLA_HEAD_SIZE, dtype=DTYPE)
@@ -144,6 +163,7 @@ class Variant(NamedTuple):
     speculator: bool = False  # EngineSetup.speculator: vLLM 0.33's step order
     drafts: int = 0  # EngineSetup.num_speculative_tokens
     mla: bool = False  # EngineSetup.mla
+    window: int | None = None  # EngineSetup.sliding_window
 
     @property
     def ranks(self) -> int:

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
@@ -101,7 +101,7 @@ def rank_config(vllm_config: VllmConfig, rank: int) -> VllmConfig:
 @dataclass
 class _RequestState:
     sequence: TokenSequence
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     computed: int = 0  # tokens whose KV this worker wrote from accepted tokens
     proposals: list[int] = field(default_factory=list)  # its drafts for the next step
     proposed: int = 0  # proposals made so far
@@ -131,7 +131,14 @@ class Worker:
             self.connector.copy_backend = lambda device: ThreadBackend(gate)
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         self.caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        # Layers in model order; each reads its KV cache group's block table (a sliding window
+        # group's freed blocks are vLLM's null block there, never read).
+        self.groups = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+        self.group_of = {name: i for i, group in enumerate(self.groups) for name in group}
+        self.layer_names = sorted(self.group_of, key=lambda name: int(name.split(".")[2]))
+        self.windows = [g.kv_cache_spec.sliding_window
+                        if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
+                        for g in kv_cache_config.kv_cache_groups]
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # what the driver looks up
         try:
             self.driver = ActiveKVConnector(self.vllm_config, self.caches)  # registers the caches
@@ -192,18 +199,22 @@ class Worker:
         fresh = []
         for data in so.scheduled_new_reqs:
             self.states[data.req_id] = _RequestState(TokenSequence(data.prompt_token_ids),
-                                                     list(data.block_ids[0]))
+                                                     [list(ids) for ids in data.block_ids])
             fresh.append(data.req_id)
         cached = so.scheduled_cached_reqs
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
             state = self.states[req_id]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                state.block_ids = ([list(ids) for ids in new_ids] if new_ids
+                                   else [[] for _ in self.groups])
                 fresh.append(req_id)
             elif new_ids:
-                state.block_ids.extend(new_ids[0])
+                for table, ids in zip(state.block_ids, new_ids, strict=True):
+                    table.extend(ids)
         for req_id in so.num_scheduled_tokens:
-            self.block_history.setdefault(req_id, set()).update(self.states[req_id].block_ids)
+            history = self.block_history.setdefault(req_id, set())
+            for table in self.states[req_id].block_ids:
+                history.update(table)
         self._starts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         self._starts.update((d.req_id, d.num_computed_tokens) for d in so.scheduled_new_reqs)
         if self.drafting is not None and self.vllm_config.scheduler_config.async_scheduling:
@@ -254,8 +265,9 @@ class Worker:
             previous = chain(previous, token)
             hashes.append(previous)
         positions = torch.arange(start, end)
-        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
         for layer in layers:
+            table = state.block_ids[self.group_of[layer]]
+            blocks = torch.tensor(table)[positions // BLOCK_SIZE]
             pages = self.pages(layer)
             rows = kv_rows(torch.tensor(hashes, dtype=torch.int64), self.layer_names.index(layer),
                            self.kv_rank, pages.shape[1] * pages.shape[3])
@@ -271,32 +283,37 @@ class Worker:
         return sampled
 
     def check_prefix(self, req_id: str, num_tokens: int, layers: list[str] | None = None) -> None:
-        """Every byte of positions [0, num_tokens) of `layers` (default: all) is what the fake
+        """Every byte of positions [0, num_tokens) of `layers` (default: all) that attention at
+        position `num_tokens` reads (a sliding window layer: the window's) is what the fake
         model writes there."""
         if num_tokens == 0:
             return
         state = self.states[req_id]
-        positions = torch.arange(num_tokens)
-        blocks = torch.tensor(state.block_ids)[positions // BLOCK_SIZE]
         hashes = state.sequence.hashes_between(0, num_tokens)
         for layer in self.layer_names if layers is None else layers:
+            group = self.group_of[layer]
+            window = self.windows[group]
+            first = 0 if window is None else max(0, num_tokens - window + 1)
+            positions = torch.arange(first, num_tokens)
+            blocks = torch.tensor(state.block_ids[group])[positions // BLOCK_SIZE]
             pages = self.pages(layer)
-            want = kv_rows(hashes, self.layer_names.index(layer), self.kv_rank,
+            want = kv_rows(hashes[first:], self.layer_names.index(layer), self.kv_rank,
                            pages.shape[1] * pages.shape[3])
-            got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(num_tokens, -1)
+            got = pages[blocks, :, positions % BLOCK_SIZE, :].reshape(len(positions), -1)
             bad = (got != want).any(dim=1).nonzero().flatten().tolist()
             if bad:
                 raise AssertionError(f"rank {self.rank} request {req_id} layer {layer}: "
-                                     f"{len(bad)} of {num_tokens} positions hold wrong KV, "
-                                     f"first at position {bad[0]} (block "
+                                     f"{len(bad)} of {len(positions)} positions hold wrong KV, "
+                                     f"first at position {first + bad[0]} (block "
                                      f"{int(blocks[bad[0]])})")
         if layers is None or layers[-1] == self.layer_names[-1]:  # each position counted once
             self.prefix_checks += num_tokens
 
     def slot(self, req_id: str, position: int, layer: int = 0) -> torch.Tensor:
         """The bytes one layer holds for one position of a running request's block table."""
-        pages = self.pages(self.layer_names[layer])
-        block = self.states[req_id].block_ids[position // BLOCK_SIZE]
+        name = self.layer_names[layer]
+        pages = self.pages(name)
+        block = self.states[req_id].block_ids[self.group_of[name]][position // BLOCK_SIZE]
         return pages[block, :, position % BLOCK_SIZE, :].reshape(-1)
 
     def drain(self) -> None:

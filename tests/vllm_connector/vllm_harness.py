@@ -85,7 +85,8 @@ class Engine:
         tp, pp = setup.tensor_parallel_size, setup.pipeline_parallel_size
         world = tp * pp
         # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
-        stages = [layer_specs(tp, layers, setup.mla) for layers in stage_layers(pp)]
+        stages = [layer_specs(tp, layers, setup.mla, setup.sliding_window)
+                  for layers in stage_layers(pp)]
         declared = self.vllm_config.attention_config.backend.get_class() \
             .supported_kv_cache_layouts()
         supported = ALL_LAYOUTS if declared is None else [layout.name for layout in declared]
@@ -280,11 +281,14 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
     moves blocks the way the layout calls for."""
     layer_bytes = page_bytes(variant.tp, variant.mla)
     largest_stage = max(map(len, stage_layers(variant.pp)))
+    if variant.window is not None:  # two groups (full, sliding) share each tensor
+        largest_stage //= 2
     slot_bytes = round_up(largest_stage * layer_bytes, HOST_ALIGNMENT)  # as the connector sizes
     engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
                                 tensor_parallel_size=variant.tp, pipeline_parallel_size=variant.pp,
                                 speculator=variant.speculator,
                                 num_speculative_tokens=variant.drafts, mla=variant.mla,
+                                sliding_window=variant.window,
                                 extra_config={"cpu_bytes": cpu_slots * slot_bytes},
                                 **setup), gates=gates)
     assert engine.layout == variant.layout
@@ -292,8 +296,9 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
     mode = BLOCK_MAJOR if variant.layout == "BLNHC" else PER_LAYER
     for worker in engine.workers:
         assert worker.connector._worker.mode == mode
-        # a slot holds its stage's layers only
-        assert worker.connector._worker.block_bytes == len(worker.layer_names) * layer_bytes
+        # a slot holds its stage's layers only (the largest group's: groups share tensors)
+        tensors = max(len(group) for group in worker.groups)
+        assert worker.connector._worker.block_bytes == tensors * layer_bytes
     return engine
 
 
@@ -301,15 +306,26 @@ def prompt_keys(engine: Engine, prompt: list[int]) -> list[bytes]:
     """The rank-0 keys of the prompt's full blocks (what the engine stores and looks up)."""
     request = Request("probe", prompt, SamplingParams(max_tokens=1), None,
                       block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
-    return engine.connector._scheduler.namespace.keys(request.block_hashes)
+    core = engine.connector._scheduler
+    return core._keys(core.groups[0], request.block_hashes)
 
 
 def stored_tokens(engine: Engine, prompt: list[int]) -> int:
-    """Tokens of the longest prefix of `prompt` the CPU tier holds now."""
-    index = engine.connector._scheduler.index
-    keys = prompt_keys(engine, prompt)
-    return BLOCK_SIZE * next((i for i, key in enumerate(keys) if not index.contains(key)),
-                             len(keys))
+    """Tokens of the longest prefix of `prompt` the CPU tier holds now, as every group can load
+    it (the probe asks one token past the prompt: a lookup never answers the block holding a
+    request's last token)."""
+    core = engine.connector._scheduler
+    request = Request("probe", prompt, SamplingParams(max_tokens=1), None,
+                      block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))
+    tokens = core.lookup("probe", request.block_hashes, 0, len(prompt) + 1)
+    core._lookups.pop("probe")  # a probe, not an admission
+    return tokens
+
+
+def reload_blocks(engine: Engine, blocks: int) -> int:
+    """Blocks a reload of a `blocks`-block prefix moves, over every KV cache group."""
+    core = engine.connector._scheduler
+    return sum(len(core._needed(group, 0, blocks)) for group in core.groups)
 
 
 def total_stats(engine: Engine) -> OffloadStats:
