@@ -1,8 +1,9 @@
 """The shared pool on a GPU: two processes, each its own GPU cache, one pool between them,
 through the connector's cores (the worker's DMA path: its default copy backend, a pinned
 mapping). Blocks stored by one load bit-exact in the other; a slot flipped after its commit is
-refused while the copy runs, and vLLM's recompute is asked from that block on. The same test
-runs on CPU caches (thread copies) everywhere, the GPU case under the `gpu` marker.
+refused before it is copied (the cache keeps its poison from it on), and vLLM's recompute is
+asked from that block on. The same test runs on CPU caches (thread copies) everywhere, the GPU
+case under the `gpu` marker.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
         assert events.finished_loads == events.failed_loads == {"s"}
         assert events.failed_block_ids == {2, 7, 5}  # recomputed from the flipped block on
         assert torch.equal(reader.rows[13].cpu(), want[0])
+        assert bool((reader.rows[[2, 7, 5]] == POISON).all())  # checked first: never copied
         counters = reader.core.take_counters()
         assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
         ours.send("exit")
