@@ -29,7 +29,6 @@ from pool_sides import (
     writer_child,
 )
 
-from kvconnector.offload import checked_loads
 from transfer.pool import HostPool
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
@@ -161,48 +160,6 @@ def test_a_slot_flipped_after_its_commit_is_never_loaded(pool: PoolProcess) -> N
         assert reader.load("r2", hashes("c", 4), blocks)[1].failed_loads == set()
         assert_loaded(reader, blocks, want)
         assert reader.core.take_counters().checksum_failures == 0
-    finally:
-        writer.kill()
-        reader.close()
-
-
-def flip(reader: Side, key: bytes, offset: int) -> None:
-    """Flip one bit of `key`'s slot through the shared segment (after its commit)."""
-    plan = reader.index.prepare_load([key])
-    reader.index.complete_load([key])
-    segment = HostPool.attach(reader.index.segment, pinned=False)
-    segment.slots[plan.slots[0], offset] ^= 0x01
-    segment.close()
-
-
-def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    writer = Child(writer_child, pool.name)
-    reader = Side(pool.name)
-    try:
-        row = reader.rows.shape[1]
-        monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)  # 6 chunks of 2 blocks
-        assert writer.ask(("store", "m", 12, 31)) == "stored"
-        want = expected_rows(31, 12, row)
-        blocks = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5]
-        hits, events = reader.load("a", hashes("m", 12), blocks)
-        assert hits == 12 and events.finished_loads == {"a"} and not events.failed_loads
-        assert_loaded(reader, blocks, want)
-        counters = reader.core.take_counters()
-        assert (counters.load_bytes, counters.checksum_failures) == (12 * row, 0)
-        # Block 5 (the second of the third chunk) flipped: 0-4 load, 5-11 keep the poison.
-        flip(reader, NS.keys(hashes("m", 12))[5], row - 1)
-        blocks.reverse()
-        hits, events = reader.load("b", hashes("m", 12), blocks)
-        assert hits == 12
-        assert events.finished_loads == events.failed_loads == {"b"}
-        assert events.failed_block_ids == set(blocks[5:])
-        assert_loaded(reader, blocks[:5], want[:5])
-        assert bool((reader.rows[blocks[5:]] == POISON).all())
-        counters = reader.core.take_counters()
-        assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
-        assert counters.load_bytes == 5 * row
-        assert reader.core.lookup("q", hashes("m", 12), 0, 100) == 0  # the keys left the pool
     finally:
         writer.kill()
         reader.close()
