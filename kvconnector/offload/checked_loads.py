@@ -3,11 +3,12 @@
 Another process can write a shared slot after its commit (transfer/shared/checks.py), and a
 corrupt block must never reach a KV block, so a load's checked blocks go to the copy engine only
 once their checksums matched. Without losing the copy's bandwidth: the load is cut into chunks of
-about CHUNK_BYTES, every chunk's check starts at once (in order, on the checker's threads), and
-a chunk is submitted as soon as its check passed, so chunk k copies while the next ones are
-checked. Submits happen on the caller's thread (`advance` at its poll points, `submit_all` where
-it may block): the copy engine is called from one thread only, and a CUDA submit orders the copy
-after the caller's compute stream, which a checker thread does not have.
+about CHUNK_BYTES (the first one a block per checker thread), every chunk's check starts at once
+(in order, on the checker's threads), and a chunk is submitted as soon as its check passed, so
+chunk k copies while the next ones are checked. Submits happen on the caller's thread
+(`advance` at its poll points, `submit_all` where it may block): the copy engine is called from
+one thread only, and a CUDA submit orders the copy after the caller's compute stream, which a
+checker thread does not have.
 
 From the first bad block on nothing more is submitted: the good blocks before it are copied and
 `good` says how many (the caller fails the rest, vLLM recomputes them). Each chunk is an engine
@@ -79,9 +80,12 @@ class CheckedLoads:
         sums = [s[self.rank] if self.rank < len(s) else None for s in job.sums[:checked]]
         sums += [None] * (checked - len(sums))
         step = max(1, CHUNK_BYTES // max(1, int(rows.shape[1])))
+        # The first chunk is a block per thread: the copy starts after one block's check.
+        ends = [min(step, self.checker.threads, checked)]
+        while ends[-1] < checked:
+            ends.append(min(ends[-1] + step, checked))
         chunks: list[tuple[int, int, Future[int] | None]] = []
-        for start in range(0, checked, step):
-            end = min(start + step, checked)
+        for start, end in zip([0, *ends], ends, strict=False):
             chunks.append((start, end, self.checker.verify(rows, job.slots[start:end],
                                                            job.checked[start:end],
                                                            sums[start:end])))

@@ -29,13 +29,14 @@ TIMEOUT_S = 120.0
 class Bench:
     """Host slots (rank 0's part), a destination cache, a copy engine and the loads under test."""
 
-    def __init__(self, threads: int = 3) -> None:
+    def __init__(self, threads: int = 2) -> None:
         self.slots = torch.randint(0, 256, (SLOTS, WIDTH), dtype=torch.uint8,
                                    generator=torch.Generator().manual_seed(3))
         self.cache = torch.full((BLOCKS, WIDTH), POISON, dtype=torch.uint8)
         self.engine = TransferEngine([Segment(self.cache, self.slots)], ThreadBackend())
         self.checker = SlotChecker(threads)
         self.loads = CheckedLoads(self.checker, 0)
+        self.chunks = 0  # engine jobs the loads made
 
     def job(self, job_id: int, slots: list[int], blocks: list[int],
             tail: int = 0) -> TransferJob:
@@ -53,6 +54,7 @@ class Bench:
         assert self.engine.wait(timeout=TIMEOUT_S)
         for result in self.engine.get_finished():
             assert self.loads.copied(result), f"engine job {result.job_id} is not a chunk"
+            self.chunks += 1
         return self.loads.settled(self.engine)
 
     def close(self) -> None:
@@ -62,7 +64,8 @@ class Bench:
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[Bench]:
-    monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 3 * WIDTH)  # chunks of 3 blocks
+    # Chunks of 3 blocks after a first one of 2 (a block per checker thread).
+    monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 3 * WIDTH)
     made = Bench()
     yield made
     made.close()
@@ -74,12 +77,13 @@ def test_a_many_chunk_load_is_copied_whole(bench: Bench) -> None:
     (result,) = bench.run()
     assert result == TransferResult(7, True, 20 * WIDTH, result.seconds, False)
     assert bench.loads.take_good(7) is None
+    assert bench.chunks == 7  # [0, 2), [2, 5), ... [17, 20)
     assert torch.equal(bench.cache[blocks], bench.slots[slots])
     assert bool((bench.cache[:4] == POISON).all())  # untouched
     assert bench.loads.settled(bench.engine) == []  # reported once
 
 
-@pytest.mark.parametrize("bad", [0, 3, 7, 19])  # first block, a chunk's first, mid-chunk, last
+@pytest.mark.parametrize("bad", [0, 5, 7, 19])  # first block, a chunk's first, mid-chunk, last
 def test_nothing_is_copied_from_a_flipped_block_on(bench: Bench, bad: int) -> None:
     slots, blocks = list(range(20)), list(range(4, 24))
     job = bench.job(1, slots, blocks)
@@ -89,6 +93,8 @@ def test_nothing_is_copied_from_a_flipped_block_on(bench: Bench, bad: int) -> No
     (result,) = bench.run()
     assert result == TransferResult(1, True, bad * WIDTH, result.seconds, False)
     assert bench.loads.take_good(1) == bad
+    # Every chunk that starts before the bad block, the last one cut short at it.
+    assert bench.chunks == len([start for start in (0, 2, 5, 8, 11, 14, 17) if start < bad])
     assert torch.equal(bench.cache[blocks[:bad]], bench.slots[slots[:bad]])
     assert bool((bench.cache[blocks[bad:]] == POISON).all())  # not a byte of the bad slots
 
