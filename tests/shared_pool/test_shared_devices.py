@@ -99,7 +99,8 @@ def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str
     reader = Side(pool.name, device=device)
     try:
         row = reader.rows.shape[1]
-        monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)  # 6 chunks of 2 blocks
+        # Chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7.
+        monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)
         ours.send(("store", "m", 12, 31))
         assert ours.poll(TIMEOUT_S) and ours.recv() == "stored"
         want = fill(torch.empty(12, row, dtype=torch.uint8), list(range(12)), 31)
@@ -109,7 +110,8 @@ def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str
         assert torch.equal(reader.rows[blocks].cpu(), torch.stack(want))
         counters = reader.core.take_counters()
         assert (counters.load_bytes, counters.checksum_failures) == (12 * row, 0)
-        # Block 5 (the second of the third chunk) flipped: 0-4 load, 5-11 keep the poison.
+        # Block 5 flipped (mid-chunk, or a chunk's first with one checker thread): 0-4 load,
+        # 5-11 keep the poison.
         flip(reader, NS.keys(hashes("m", 12))[5], row - 1)
         blocks.reverse()
         hits, events = reader.load("b", hashes("m", 12), blocks)
