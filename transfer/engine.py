@@ -102,6 +102,12 @@ class TransferEngine:
         """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU."""
         return self._submit(job_id, False, gpu_block_ids, slot_ids)
 
+    def check_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
+                   gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
+        """Raise ValueError where `submit_load` of these ids would, queueing nothing (for a
+        caller that submits the load later, in parts)."""
+        self._checked_ids(job_id, False, gpu_block_ids, slot_ids)
+
     def get_finished(self) -> list[TransferResult]:
         """Results of every job that finished (or was dropped) since the last call, once each."""
         results = list(self._dropped.values())
@@ -157,11 +163,7 @@ class TransferEngine:
             raise ValueError(f"job id must be an int, got {job_id!r}")
         if job_id in self._jobs or job_id in self._dropped:
             raise ValueError(f"job id {job_id} is still in flight or unreported")
-        gpu = _ids(gpu_block_ids, self.num_gpu_blocks, "GPU block id")
-        slots = _ids(slot_ids, self.num_slots, "slot id")
-        if len(gpu) != len(slots):
-            raise ValueError(f"job {job_id}: {len(gpu)} GPU block ids but {len(slots)} slot ids")
-        _check_unique(slots if is_store else gpu, "slot id" if is_store else "GPU block id")
+        gpu, slots = self._checked_ids(job_id, is_store, gpu_block_ids, slot_ids)
         nbytes = len(gpu) * self.block_bytes
         if is_store:
             inflight = self.inflight_store_bytes
@@ -185,6 +187,15 @@ class TransferEngine:
         self._jobs[job_id] = _Job(job_id, is_store, nbytes, gpu_set, slot_set, completion, lane,
                                   spare)
         return True
+
+    def _checked_ids(self, job_id: int, is_store: bool, gpu_block_ids: object,
+                     slot_ids: object) -> tuple[np.ndarray, np.ndarray]:
+        gpu = _ids(gpu_block_ids, self.num_gpu_blocks, "GPU block id")
+        slots = _ids(slot_ids, self.num_slots, "slot id")
+        if len(gpu) != len(slots):
+            raise ValueError(f"job {job_id}: {len(gpu)} GPU block ids but {len(slots)} slot ids")
+        _check_unique(slots if is_store else gpu, "slot id" if is_store else "GPU block id")
+        return gpu, slots
 
     def _take_spare(self) -> Lane:
         if self._spare:

@@ -3,13 +3,15 @@
 A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engine (a spawned
 process with its own cache, its own mapping of the pool and its own connection) stores n random
 blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
-by DMA, straight from the shared slots, checking each block's checksum on threads while the copy
-runs, as an engine does (transfer/shared/checks.py). The writer stores a set as WRITER_JOBS
+by DMA, straight from the shared slots, each block only once its checksum matched, as an engine
+does (kvconnector/offload/checked_loads.py: chunks of ~16 MiB checked on threads, chunk k copied
+while the next ones are checked). The writer stores a set as WRITER_JOBS
 jobs, as an engine stores one job per request, and hashes each job's blocks once copied while
 the next ones copy: its store time runs until every block is hashed (what a commit needs).
 Rates are held against the same-run ceilings: the load against the one-way host -> device copy;
 both directions at once (the writer storing a second set while this process loads the first)
-against the bidirectional ceiling. Metadata cost per
+against the bidirectional ceiling; `check_gbps`: the checks alone (no copy), the rate a checked
+load cannot exceed. Metadata cost per
 block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
 client's side, per block of a batch of n.
 """
@@ -29,6 +31,8 @@ from typing import Any
 import torch
 
 from kvconnector.layout.allocator import KVBuffer, allocate, shm_free_bytes
+from kvconnector.offload.checked_loads import CheckedLoads
+from kvconnector.offload.jobs import TransferJob
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
 from transfer.pool import HostPool
@@ -94,8 +98,9 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             cache = allocate(slot_layout(block_bytes), num_blocks=n, device=device)
             cache.raw.fill_(0xA5)
             engine = TransferEngine(pool.segments([cache.block_chunks()]))
+            loads = CheckedLoads(checker, 0)
             ids = torch.randperm(n).tolist()
-            meta_load, load_s, slots = [], [], []
+            meta_load, load_s, check_s, slots = [], [], [], []
             for r in range(repeats + 1):  # the first round warms up
                 t0 = time.perf_counter()
                 hits = index.lookup_prefix(keys)
@@ -104,18 +109,15 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 if hits != n or plan is None:
                     raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
                 slots = plan.slots
-                engine.submit_load(r, slots, ids)
-                check = checker.verify(pool.slots, slots, keys, [s[0] for s in plan.sums])
-                engine.wait([r])
-                good = check.result()
+                _load(loads, engine, pool.slots, _job(r, ids, slots, keys, plan.sums))
                 t2 = time.perf_counter()
-                if good != n:
-                    raise RuntimeError(f"block {good} of the writer's failed its checksum")
                 index.complete_load(keys)
                 meta_load.append(t1 - t0 + time.perf_counter() - t2)
                 load_s.append(t2 - t1)
-            if not all(res.ok for res in engine.get_finished()):
-                raise RuntimeError("a load job failed")
+                t3 = time.perf_counter()  # the checks alone
+                if checker.verify(pool.slots, slots, keys, [s[0] for s in plan.sums]).result() != n:
+                    raise RuntimeError("a block of the writer's failed its checksum")
+                check_s.append(time.perf_counter() - t3)
             # Every byte: this process's cache holds what the writer put in the slots.
             loaded = cache.block_chunks()[ids]
             if not torch.equal(loaded.cpu(), pool.slots[slots]):
@@ -125,13 +127,8 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             plan = index.prepare_load(keys)
             ours.send("go")
             t0 = time.time()
-            engine.submit_load(repeats + 1, plan.slots, ids)
-            check = checker.verify(pool.slots, plan.slots, keys, [s[0] for s in plan.sums])
-            engine.wait([repeats + 1])
-            good = check.result()
+            _load(loads, engine, pool.slots, _job(repeats + 1, ids, plan.slots, keys, plan.sums))
             t1 = time.time()
-            if good != n:
-                raise RuntimeError(f"block {good} of the writer's failed its checksum")
             index.complete_load(keys)
             w0, w1 = _answer(ours)
             ours.send("exit")
@@ -149,9 +146,33 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     return {"block_bytes": block_bytes, "blocks": n,
             "store_gbps": nbytes / store_s / 1e9,
             "load_gbps": nbytes / statistics.median(load_s[1:]) / 1e9,
+            "check_gbps": nbytes / statistics.median(check_s[1:]) / 1e9,
             "bidir_gbps": 2 * nbytes / (max(t1, w1) - min(t0, w0)) / 1e9,
             "load_meta_us": statistics.median(meta_load[1:]) / n * 1e6,
             "store_meta_us": meta_store / n * 1e6, "check_threads": checker.threads}
+
+
+def _job(job_id: int, ids: list[int], slots: list[int], keys: list[bytes],
+         sums: list[list[int]]) -> TransferJob:
+    return TransferJob(job_id, "bench", tuple(ids), tuple(slots), checked=tuple(keys),
+                       sums=tuple(tuple(s) for s in sums))
+
+
+def _load(loads: CheckedLoads, engine: TransferEngine, rows: torch.Tensor,
+          job: TransferJob) -> None:
+    """Load `job` as a worker does, each chunk copied once checked; raises unless all of it
+    passed and copied."""
+    loads.start(job, len(job.slots), rows, engine)
+    loads.submit_all(engine)
+    engine.wait()
+    for result in engine.get_finished():
+        loads.copied(result)
+    (result,) = loads.settled(engine)
+    good = loads.take_good(job.job_id)
+    if good is not None:
+        raise RuntimeError(f"block {good} of the writer's failed its checksum")
+    if not result.ok or result.nbytes != len(job.slots) * engine.block_bytes:
+        raise RuntimeError(f"load {job.job_id} failed: {result}")
 
 
 def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: int) -> float:

@@ -1,10 +1,11 @@
 """A worker's checksums of a shared pool's blocks, job by job (transfer/shared/checks.py).
 
 A store is hashed once its copy is done and reported with its checksums (the scheduler commits
-it with every rank's); a load is checked on threads while its copy runs and reported once both
-are done; blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in
-the pool with their checksums. This worker's part of every slot is `rows`; its checksum is entry
-`rank` of each block's per-rank list.
+it with every rank's); a load's blocks are checked before they are copied, chunk by chunk
+(`loads`: checked_loads.py), and the load is reported once its checks and copies are done;
+blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in the pool
+with their checksums. This worker's part of every slot is `rows`; its checksum is entry `rank`
+of each block's per-rank list.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
+from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
 from transfer.shared.checks import SlotChecker
 
@@ -25,7 +27,7 @@ class PoolChecks:
         self.checker = SlotChecker()
         self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
         self._hashing: dict[int, Future[list[int]]] = {}  # store copied -> its checksums
-        self._loads: dict[int, tuple[Future[int], int]] = {}  # load -> good blocks, checked
+        self.loads = CheckedLoads(self.checker, rank)
         self._fetched: dict[int, Future[list[int]]] = {}  # load -> its fetched blocks' sums
 
     # ---- stores ---------------------------------------------------------------------------
@@ -54,45 +56,32 @@ class PoolChecks:
 
     # ---- loads ----------------------------------------------------------------------------
 
-    def load_submitted(self, job: TransferJob, head: int, rows: torch.Tensor) -> None:
-        """The job's first `head` slots are being copied: check the pool's blocks among them."""
-        checked = min(head, len(job.checked))
-        if checked:
-            sums = [s[self.rank] if self.rank < len(s) else None for s in job.sums[:checked]]
-            self._loads[job.job_id] = (self.checker.verify(
-                rows, job.slots[:checked], job.checked[:checked], sums), checked)
-
     def fetched(self, job: TransferJob, rows: torch.Tensor) -> None:
         """Every block the job fetched is in its slot: hash them for their commit."""
         self._fetched[job.job_id] = self.checker.hash(rows, job.fetch_slots,
                                                       job.disk_keys + job.keys)
 
     def ready(self, job_id: int) -> bool:
-        """Whether the load's checks are done (it is reported only then)."""
-        check, fetched = self._loads.get(job_id), self._fetched.get(job_id)
-        return (check is None or check[0].done()) and (fetched is None or fetched.done())
+        """Whether the hashing of the load's fetched blocks is done (it is reported only then)."""
+        fetched = self._fetched.get(job_id)
+        return fetched is None or fetched.done()
 
     def load_result(self, job_id: int, copied: bool) -> tuple[int | None, list[int] | None]:
         """(leading good blocks when a check failed, else None; the fetched blocks' checksums
         when the copy and their hashing succeeded, else None)."""
-        check, fetched = self._loads.pop(job_id, None), self._fetched.pop(job_id, None)
+        good, fetched = self.loads.take_good(job_id), self._fetched.pop(job_id, None)
         sums = None
         if fetched is not None and copied and fetched.exception() is None:
             sums = fetched.result()
-        if check is None or not copied:
-            return None, sums
-        future, checked = check
-        # A check that could not run proves nothing: its blocks are refused.
-        good = 0 if future.exception() is not None else future.result()
-        return (None if good == checked else good), sums
+        return (good if copied else None), sums
 
     # ---- lifetime -------------------------------------------------------------------------
 
     def wait(self) -> None:
         """Block until every hash and check started is done."""
-        for future in [*self._hashing.values(), *self._fetched.values(),
-                       *(f for f, _ in self._loads.values())]:
+        for future in [*self._hashing.values(), *self._fetched.values()]:
             future.exception()
+        self.loads.wait()
 
     def close(self) -> None:
         self.checker.close()

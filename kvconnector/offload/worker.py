@@ -12,7 +12,7 @@ With a shared pool (`shared`, transfer/shared/): no private pool; the worker map
 its jobs name (at the first job, and again when a restarted daemon names a new one, after
 finishing every job on the old mapping) and copies into its part of each slot. Its blocks carry
 checksums (pool_checks.py): a store hashes this worker's part once copied and reports it; a load
-checks it while the copy runs and fails from the first block that differs.
+copies a block only once checked (checked_loads.py) and fails from the first block that differs.
 
 Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
@@ -257,13 +257,12 @@ class OffloadWorker:
             self._submit_load(job, len(job.slots))
 
     def _submit_load(self, job: TransferJob, head: int) -> None:
-        """Copy the job's first `head` slots into its first `head` blocks, checking the shared
-        pool's blocks among them while the copy runs."""
-        # Submit first: bad input raises before anything is registered here.
-        self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head])
+        """Copy the job's first `head` slots into its first `head` blocks; the shared pool's
+        blocks among them only once checked."""
+        # Submit (or check the ids) first: bad input raises before anything is registered here.
+        if self.checks is None or not self.checks.loads.start(job, head, self._rows, self.engine):
+            self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head])
         self._loads[job.job_id] = (job.req_id, job.block_ids[:head])
-        if self.checks is not None:
-            self.checks.load_submitted(job, head, self._rows)
 
     def submit_stores(self, step: StepJobs) -> None:
         """After the forward: each store copies after the work queued on the compute stream.
@@ -344,7 +343,7 @@ class OffloadWorker:
     def _checked_load(self, result: CopyResult,
                       tail: tuple[int, ...]) -> tuple[CopyResult, tuple[int, ...]]:
         """A load whose check found a bad block fails from that block on (vLLM recomputes
-        those); its bytes count only up to it."""
+        those; only the blocks before it were copied)."""
         if self.checks is None:
             return result, tail
         good, sums = self.checks.load_result(result.job_id, result.ok)
@@ -353,19 +352,18 @@ class OffloadWorker:
         if good is None:
             return result, tail
         self._report.checksum_failures += 1
-        _, block_ids = self._loads[result.job_id]
-        nbytes = result.nbytes * good // len(block_ids)
-        return CopyResult(result.job_id, True, nbytes, result.seconds, False), \
-            tuple(block_ids[good:]) + tail
+        return result, tuple(self._loads[result.job_id][1][good:]) + tail
 
     def _collect_copies(self) -> None:
         """Copies that ended: stores go on (hashed, or reported), loads wait in `_copied` for
-        poll (and for their checks)."""
+        poll (and for their checks); checked loads submit their next chunks."""
         for result in [] if self.engine is None else self.engine.get_finished():
             if result.is_store:
                 self._store_copied(result)
-            else:
+            elif self.checks is None or not self.checks.loads.copied(result):
                 self._copied.append(result)
+        if self.checks is not None and self.engine is not None:
+            self._copied += self.checks.loads.settled(self.engine)
 
     def _store_copied(self, result: CopyResult) -> None:
         """A store's copy ended: a shared pool's is hashed before it is reported done
@@ -472,6 +470,8 @@ class OffloadWorker:
             with contextlib.suppress(CancelledError):
                 future.exception()  # waits; store calls are bounded by their deadline
         if self.engine is not None:
+            if self.checks is not None:
+                self.checks.loads.submit_all(self.engine)
             self.engine.wait()
             self._collect_copies()  # stores copied just now are hashed
         if self.checks is not None:

@@ -343,6 +343,9 @@ def test_failed_store_fails_dependent_load_without_writing() -> None:
     (lambda e: e.submit_store(1, [True], [1]), "must be integers"),
     (lambda e: e.submit_store(1, [[0]], [[1]]), "1-D"),
     (lambda e: e.submit_store("x", [0], [1]), "job id must be an int"),
+    (lambda e: e.check_load(1, [0, 24], [0, 1]), "slot id 24 out of range"),
+    (lambda e: e.check_load(3, [0, 1], [2]), "job 3: 1 GPU block ids but 2 slot ids"),
+    (lambda e: e.check_load(1, [0, 1], [9, 9]), "destination GPU block id 9"),
 ])
 def test_bad_input_raises_before_any_byte_moves(rig: Rig, call, match: str) -> None:
     cache_before, pool_before = rig.cache.raw.clone(), rig.pool.buffer.raw.clone()
@@ -352,6 +355,14 @@ def test_bad_input_raises_before_any_byte_moves(rig: Rig, call, match: str) -> N
     assert rig.engine.get_finished() == []
     assert torch.equal(rig.cache.raw, cache_before)
     assert torch.equal(rig.pool.buffer.raw, pool_before)
+
+
+def test_check_load_of_good_ids_queues_nothing(rig: Rig) -> None:
+    cache_before = rig.cache.raw.clone()
+    rig.engine.check_load(1, [0, 1], [2, 3])
+    assert rig.engine.get_finished() == []
+    assert torch.equal(rig.cache.raw, cache_before)
+    assert rig.engine.submit_load(1, [0, 1], [2, 3])  # the id is still free
 
 
 def test_job_id_in_flight_is_refused() -> None:

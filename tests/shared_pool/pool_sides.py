@@ -19,6 +19,7 @@ from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker, TransferEvents
 from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
+from transfer.pool import HostPool
 from transfer.shared.client import SharedIndex
 from transfer.shared.mapping import SharedPart
 
@@ -98,6 +99,16 @@ def fill(rows: torch.Tensor, blocks: list[int], seed: int) -> list[torch.Tensor]
     for block, data in zip(blocks, written, strict=True):
         rows[block].copy_(data)
     return written
+
+
+def flip(side: Side, key: bytes, offset: int) -> None:
+    """Flip one bit of `key`'s slot through the shared segment (a stray write after its
+    commit)."""
+    plan = side.index.prepare_load([key])
+    side.index.complete_load([key])
+    segment = HostPool.attach(side.index.segment, pinned=False)
+    segment.slots[plan.slots[0], offset] ^= 0x01
+    segment.close()
 
 
 def hashes(tag: str, count: int) -> list[bytes]:

@@ -1,8 +1,10 @@
 """The shared pool on a GPU: two processes, each its own GPU cache, one pool between them,
 through the connector's cores (the worker's DMA path: its default copy backend, a pinned
 mapping). Blocks stored by one load bit-exact in the other; a slot flipped after its commit is
-refused while the copy runs, and vLLM's recompute is asked from that block on. The same test
-runs on CPU caches (thread copies) everywhere, the GPU case under the `gpu` marker.
+refused before it is copied (the cache keeps its poison from it on), and vLLM's recompute is
+asked from that block on; a load in many chunks (each copied once checked) is byte-exact, and
+one with a flipped block copies only the blocks before it. The same tests run on CPU caches
+(thread copies) everywhere, the GPU cases under the `gpu` marker.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from pool_sides import (
     TIMEOUT_S,
     Side,
     fill,
+    flip,
     gpu_writer_child,
     hashes,
     writer_child,
 )
 
+from kvconnector.offload import checked_loads
 from transfer.pool import HostPool
 from transfer.shared.testing import PoolProcess
 
@@ -74,8 +78,52 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
         assert events.finished_loads == events.failed_loads == {"s"}
         assert events.failed_block_ids == {2, 7, 5}  # recomputed from the flipped block on
         assert torch.equal(reader.rows[13].cpu(), want[0])
+        assert bool((reader.rows[[2, 7, 5]] == POISON).all())  # checked first: never copied
         counters = reader.core.take_counters()
         assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
+        ours.send("exit")
+        writer.join(TIMEOUT_S)
+        assert writer.exitcode == 0
+    finally:
+        writer.kill()
+        reader.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    writer = ctx.Process(target=writer_child, args=(pool.name, theirs), daemon=True)
+    writer.start()
+    reader = Side(pool.name, device=device)
+    try:
+        row = reader.rows.shape[1]
+        # Chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7.
+        monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)
+        ours.send(("store", "m", 12, 31))
+        assert ours.poll(TIMEOUT_S) and ours.recv() == "stored"
+        want = fill(torch.empty(12, row, dtype=torch.uint8), list(range(12)), 31)
+        blocks = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5]
+        hits, events = reader.load("a", hashes("m", 12), blocks)
+        assert hits == 12 and events.finished_loads == {"a"} and not events.failed_loads
+        assert torch.equal(reader.rows[blocks].cpu(), torch.stack(want))
+        counters = reader.core.take_counters()
+        assert (counters.load_bytes, counters.checksum_failures) == (12 * row, 0)
+        # Block 5 flipped (mid-chunk, or a chunk's first with one checker thread): 0-4 load,
+        # 5-11 keep the poison.
+        flip(reader, NS.keys(hashes("m", 12))[5], row - 1)
+        blocks.reverse()
+        hits, events = reader.load("b", hashes("m", 12), blocks)
+        assert hits == 12
+        assert events.finished_loads == events.failed_loads == {"b"}
+        assert events.failed_block_ids == set(blocks[5:])
+        assert torch.equal(reader.rows[blocks[:5]].cpu(), torch.stack(want[:5]))
+        assert bool((reader.rows[blocks[5:]] == POISON).all())
+        counters = reader.core.take_counters()
+        assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
+        assert counters.load_bytes == 5 * row
+        assert reader.core.lookup("q", hashes("m", 12), 0, 100) == 0  # the keys left the pool
         ours.send("exit")
         writer.join(TIMEOUT_S)
         assert writer.exitcode == 0

@@ -150,6 +150,7 @@ def test_a_slot_flipped_after_its_commit_is_never_loaded(pool: PoolProcess) -> N
         assert events.finished_loads == events.failed_loads == {"r"}
         assert events.failed_block_ids == {9, 1}  # vLLM recomputes from the flipped block on
         assert_loaded(reader, [12, 4], want[:2])  # the head before it is good and kept
+        assert bool((reader.rows[[9, 1]] == POISON).all())  # nothing copied from it on
         counters = reader.core.take_counters()
         assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
         assert counters.load_bytes == 2 * reader.rows.shape[1]

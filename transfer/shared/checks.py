@@ -2,15 +2,13 @@
 
 Another process can write a shared slot after its commit (a stray write through the segment, a
 bad page), so every block carries the xxh3-64 its writer took, bound to its key
-(`block_checksum`), one per rank's part of the slot; a reader checks its part before the load is
-reported (`SlotChecker.verify`). Writers hash their parts once the store copy is done
-(`SlotChecker.hash`), so the daemon's loop never hashes.
+(`block_checksum`), one per rank's part of the slot; a reader checks its part before it copies
+it (`SlotChecker.verify`; kvconnector/offload/checked_loads.py). Writers hash their parts once
+the store copy is done (`SlotChecker.hash`), so the daemon's loop never hashes.
 
-A load's check runs while its copy runs, on `threads` threads (xxhash releases the GIL for
-blocks over 64 KiB, so they hash in parallel): the check adds no time to a copy it keeps up
-with. A block that fails it may already be in the GPU cache, but the load is reported failed
-from that block on, so vLLM recomputes those blocks before any forward reads them: the same
-state a copy that fails half-way leaves, and nothing corrupt is ever used.
+Checks run on `threads` threads (xxhash releases the GIL for blocks over 64 KiB, so they hash
+in parallel); a reader checks a load in chunks, copying one while the next ones are checked, so
+the check adds little to a copy it keeps up with.
 """
 
 from __future__ import annotations
