@@ -3,7 +3,7 @@
 A `kvconnector pool serve` daemon owns the pool; a writer process stores n random blocks from
 its GPU cache into the pool's slots by DMA and hashes them (the checksums its commit carries);
 this process loads them into its own GPU cache by DMA, straight from the shared slots, each
-block only once its checksum matched (as an engine does: chunks of ~16 MiB checked on threads,
+block only once its checksum matched (as an engine does: chunks of ~128 MiB checked on threads,
 one copied while the next ones are checked), and compares every byte. Reported against
 same-run ceilings (kvconnector.bench.ceilings: one 2 GiB pinned memcpy each way, two at once):
 the load (>= 2 MiB blocks, one-way ceiling), both directions at once (the writer storing a

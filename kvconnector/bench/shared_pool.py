@@ -4,7 +4,7 @@ A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engi
 process with its own cache, its own mapping of the pool and its own connection) stores n random
 blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
 by DMA, straight from the shared slots, each block only once its checksum matched, as an engine
-does (kvconnector/offload/checked_loads.py: chunks of ~16 MiB checked on threads, chunk k copied
+does (kvconnector/offload/checked_loads.py: chunks of ~128 MiB checked on threads, chunk k copied
 while the next ones are checked). The writer stores a set as WRITER_JOBS
 jobs, as an engine stores one job per request, and hashes each job's blocks once copied while
 the next ones copy: its store time runs until every block is hashed (what a commit needs).

@@ -29,7 +29,10 @@ from kvconnector.offload.jobs import TransferJob
 from transfer.engine import TransferEngine, TransferResult
 from transfer.shared.checks import SlotChecker
 
-CHUNK_BYTES = 16 << 20  # ~0.3 ms of a PCIe Gen5 copy: a chunk's submit costs far less
+# Per chunk, a submit and its completion cost host time that hashing threads contend for: on
+# the H200, 2 GiB of 2 MiB blocks loaded at 24.8 GB/s in 16 MiB chunks, 39.0 in 64 MiB,
+# 44.4 in 128 MiB, 43.6 in 256 MiB (docs/benchmarks.md, shared host pool).
+CHUNK_BYTES = 128 << 20
 
 
 @dataclass
