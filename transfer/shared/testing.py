@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from transfer.shared.protocol import socket_path
+from transfer.testing import ChildServer
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 
 
-class PoolProcess:
+class PoolProcess(ChildServer):
     """One daemon process for pool `name`; the name (and socket) stay across kill/start."""
 
     def __init__(self, log_path: str | Path, name: str, capacity: str = "16MiB",
@@ -52,29 +51,3 @@ class PoolProcess:
         self.kill()
         raise RuntimeError(f"pool daemon did not start: {' '.join(command)}; log:\n"
                            f"{self.log_path.read_text(errors='replace')[-4000:]}")
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup (the socket file and the segment stay behind)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(STOP_TIMEOUT_S)
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait (SIGKILL if it lingers); returns the exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process.stdout.close()
-        return self.process.returncode
-
-    def __enter__(self) -> PoolProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import signal
 import socket
 import struct
 import subprocess
@@ -20,14 +19,14 @@ from pathlib import Path
 import zmq
 
 from transfer.remote.store.security import Security
+from transfer.testing import ChildServer
 
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 START_TIMEOUT_S = 120.0  # the CLI imports torch: on a loaded 2-core machine that took 30 s
-STOP_TIMEOUT_S = 10.0
 
 
-class StoreProcess:
+class StoreProcess(ChildServer):
     """One store server process; `url` stays the same across `kill()` and `start()`."""
 
     def __init__(self, log_path: str | Path, capacity: str = "256MiB",
@@ -67,32 +66,6 @@ class StoreProcess:
         self.kill()
         raise RuntimeError(f"store server did not start: {' '.join(command)}; log:\n"
                            f"{self.log_path.read_text(errors='replace')[-4000:]}")
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, no goodbye to the clients."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(STOP_TIMEOUT_S)
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait (SIGKILL if it lingers); returns the exit code."""
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process.stdout.close()
-        return self.process.returncode
-
-    def __enter__(self) -> StoreProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class RawPeer:
