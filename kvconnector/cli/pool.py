@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import signal
 import sys
 from typing import Any
 
-from kvconnector.cli.units import parse_size
+from kvconnector.cli.serving import log_to_stderr, run_alone, size_arg, stop_on_signals
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient, PoolError
 
@@ -28,9 +26,9 @@ def add_parser(subparsers: Any) -> None:
     commands = pool.add_subparsers(dest="pool_command", required=True)
     serve = commands.add_parser("serve", help="run the pool daemon in the foreground")
     serve.add_argument("--name", required=True, help="the pool's name (engines' 'pool' key)")
-    serve.add_argument("--capacity", required=True, type=_size_arg,
+    serve.add_argument("--capacity", required=True, type=size_arg,
                        help="bytes of shared memory for blocks, e.g. 64GiB (from /dev/shm)")
-    serve.add_argument("--slot-bytes", required=True, type=_size_arg,
+    serve.add_argument("--slot-bytes", required=True, type=size_arg,
                        help="bytes of one slot: one block of every rank of an engine, e.g. 4MiB")
     serve.add_argument("--eviction", choices=("lru", "arc"), default="lru",
                        help="eviction policy across every namespace (default lru)")
@@ -41,31 +39,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvconnector.cli.pool")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return run_alone(add_parser, "python -m kvconnector.cli.pool", argv)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from transfer.shared.daemon import PoolDaemon  # imports torch (the allocator)
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr()
     try:
         daemon = PoolDaemon(args.name, args.capacity, args.slot_bytes, policy=args.eviction)
     except (ValueError, OSError) as exc:
         print(f"kvconnector pool serve: {exc}", file=sys.stderr)
         return 2
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: daemon.stop())
+    stop_on_signals(daemon.stop)
     info = daemon.info
     print(f"kvconnector pool {args.name}: serving at {daemon.path} segment={info.segment} "
           f"slots={info.num_slots} slot_bytes={info.slot_bytes}", flush=True)

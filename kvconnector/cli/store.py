@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from kvconnector.cli.units import parse_size
+from kvconnector.cli.serving import log_to_stderr, run_alone, size_arg, stop_on_signals
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Limits
 from transfer.remote.store.security import Security, SecurityMode
@@ -41,11 +40,11 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--listen", default="tcp://127.0.0.1:*",
                        help="tcp://HOST:PORT to bind; PORT * picks a free one (default: "
                             "loopback, free port; the bound address is printed)")
-    serve.add_argument("--capacity", required=True, type=_size_arg,
+    serve.add_argument("--capacity", required=True, type=size_arg,
                        help="bytes of blocks to hold, e.g. 8GiB")
-    serve.add_argument("--max-block-size", type=_size_arg, default=Limits().max_block_bytes,
+    serve.add_argument("--max-block-size", type=size_arg, default=Limits().max_block_bytes,
                        help="largest block accepted (default 64MiB)")
-    serve.add_argument("--buffer-budget", type=_size_arg,
+    serve.add_argument("--buffer-budget", type=size_arg,
                        help="what zmq may hold for all connections together before the peer "
                             "holding the most is dropped (default: 256MiB or four of the "
                             "largest requests, whichever is more; each worker its own)")
@@ -68,17 +67,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvconnector.cli.store")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return run_alone(add_parser, "python -m kvconnector.cli.store", argv)
 
 
 def _positive_int(text: str) -> int:
@@ -127,8 +116,7 @@ def _security(args: argparse.Namespace, *, server: bool) -> Security:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr()
     try:
         security = _security(args, server=True)
         limits = Limits(max_block_bytes=args.max_block_size,
@@ -156,8 +144,7 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop()
 
     try:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: server.stop())
+        stop_on_signals(server.stop)
         workers.watch(worker_ended)
         print(f"kvconnector store: listening on {endpoint} security={security.mode.value} "
               f"capacity={args.capacity} workers={args.workers}", flush=True)

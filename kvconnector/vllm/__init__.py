@@ -2,6 +2,7 @@
 
 - connector: the KV connector vLLM loads (both roles), a thin layer over `kvconnector.offload`;
 - options: its `kv_connector_extra_config` keys; namespace: the key namespace of an engine and rank;
+- tiers: each tier's slots, the key namespace and groups of an engine, sized alike on every side;
 - stats: its counters and Prometheus metrics.
 
 The connector class is imported on first use, so `kvconnector.vllm.options` and friends import

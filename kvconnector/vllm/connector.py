@@ -32,7 +32,6 @@ tier with several groups are refused (ValueError at start).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,13 +54,11 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
-from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
-from kvconnector.vllm.groups import cache_groups, offloaded_spec, state_layers
+from kvconnector.vllm.groups import offloaded_spec, state_layers
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
     check_resolved,
@@ -69,14 +66,10 @@ from kvconnector.vllm.layout_choice import (
     layout_request,
     resolved_backends,
 )
-from kvconnector.vllm.namespace import (
-    disk_namespace,
-    engine_namespace,
-    rank_namespace,
-    with_groups,
-)
+from kvconnector.vllm.namespace import disk_namespace, rank_namespace
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
+from kvconnector.vllm.tiers import disk_planner, plan_tiers
 from transfer.copy.base import CopyBackend
 from transfer.copy.factory import make_backend
 from transfer.disk.io import DiskIO
@@ -126,84 +119,30 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = ConnectorOptions.parse(
             dict(self._kv_transfer_config.kv_connector_extra_config))
-        spec = offloaded_spec(kv_cache_config)
-        self._block_size = spec.block_size
-        groups = kv_cache_config.kv_cache_groups
-        # Groups share the buffers: a physical block holds the largest group's layers.
-        num_layers = max(len(g.layer_names) for g in groups)
-        # The scheduler counts slots for every worker but sees stage 0's layers only; under PP
-        # stages differ (62 layers / 4 -> 15, 16, 16, 15), so size slots by the largest stage.
-        slot_layers = max(num_layers, _largest_pp_stage(vllm_config))
-        slot_bytes = round_up(spec.page_size_bytes * slot_layers, HOST_ALIGNMENT)
-        self._slot_bytes = slot_bytes
-        self._num_slots = 0 if self.options.pool else self.options.cpu_bytes // slot_bytes
-        if self._num_slots == 0 and not self.options.pool:
-            raise ValueError(f"cpu_bytes {self.options.cpu_bytes} holds no block of "
-                             f"{slot_bytes} B")
+        self._tiers = plan_tiers(vllm_config, kv_cache_config, self.options)
         self._layout_request = layout_request(vllm_config, self.options)
         self._scheduler: OffloadScheduler | None = None
         self._worker: OffloadWorker | None = None
         self._requests: dict[str, Request] = {}
         self._load_errors: set[int] = set()
         self._pool_index: SharedIndex | None = None
-        self._remote = self.options.remote()
-        if self._remote is not None and len(groups) > 1:
-            raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
-                             f"(one group only)")
-        self._groups = cache_groups(kv_cache_config)
-        # groups whose blocks vLLM frees while the request runs (stores reading them: flushed)
-        self._windowed = any(g.window is not None or g.state for g in self._groups)
         self._remote_lookups: RemoteLookups | None = None
         self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
-        parallel = vllm_config.parallel_config
-        self._namespace = with_groups(
-            engine_namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size),
-            [(g.kv_cache_spec, g.layer_names) for g in groups])
-        self._disk = self.options.disk()
-        if self._disk is not None:
-            if len(groups) > 1:
-                raise ValueError(f"disk_path with {len(groups)} KV cache groups is not "
-                                 f"supported (one group only)")
-            self._num_disk_slots = self._disk.num_slots(slot_bytes)
-            if self._num_disk_slots == 0:
-                raise ValueError(f"disk_bytes {self._disk.num_bytes} holds no block of "
-                                 f"{slot_bytes} B (and its 4 KiB footer)")
-        if self.options.pool:
-            if len(groups) > 1:
-                raise ValueError(f"pool with {len(groups)} KV cache groups is not supported "
-                                 f"(one group only)")
-            # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
-            # with other PP sizes place ranks differently, so they get keys of their own.
-            self._namespace = dataclasses.replace(
-                self._namespace,
-                salt=f"{self._namespace.salt}/pool:{parallel.world_size}x{slot_bytes}")
         if role == KVConnectorRole.SCHEDULER:
-            remote = self._remote is not None
+            tiers, world_size = self._tiers, vllm_config.parallel_config.world_size
+            remote = tiers.remote is not None
             index = self._pool_index = None
             if self.options.pool:
-                index = self._pool_index = SharedIndex(self.options.pool, self._namespace,
-                                    slot_bytes * parallel.world_size)
+                index = self._pool_index = SharedIndex(self.options.pool, tiers.namespace,
+                                                       tiers.slot_bytes * world_size)
             self._scheduler = OffloadScheduler(
-                self._namespace, index.num_slots if index else self._num_slots,
-                spec.block_size, parallel.world_size, self.options.eviction, remote=remote,
-                remote_only=remote and self._remote.only, disk=self._disk_planner(),
-                index=index, groups=self._groups)
-            if self._remote is not None:
-                self._remote_lookups = RemoteLookups(self._remote, self._namespace.digest)
-
-    def _disk_planner(self) -> DiskPlanner | None:
-        """The disk tier's index, with the blocks every rank's slab still holds."""
-        if self._disk is None:
-            return None
-        parallel = self._vllm_config.parallel_config
-        digests = [disk_namespace(self._namespace, rank, parallel.tensor_parallel_size).digest
-                   for rank in range(parallel.world_size)]
-        stored = restored_blocks(self._disk.path, self._namespace.digest, digests,
-                                 self._num_disk_slots)
-        logger.info("CrossLayerOffloadConnector disk tier %s: %d slots, %d blocks found",
-                    self._disk.path, self._num_disk_slots, len(stored))
-        return DiskPlanner(self._namespace, self._num_disk_slots, self.options.eviction,
-                           self._disk.write_policy, parallel.world_size, stored)
+                tiers.namespace, index.num_slots if index else tiers.num_slots,
+                tiers.block_size, world_size, self.options.eviction, remote=remote,
+                remote_only=remote and tiers.remote.only,
+                disk=disk_planner(tiers, vllm_config, self.options.eviction),
+                index=index, groups=tiers.groups)
+            if tiers.remote is not None:
+                self._remote_lookups = RemoteLookups(tiers.remote, tiers.namespace.digest)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -231,27 +170,28 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         state = state_layers(config)  # a state layer's entry is a list of state views
         kv_caches = {name: tensor for name, tensor in kv_caches.items() if name not in state}
         device = next(iter(kv_caches.values())).device
+        tiers = self._tiers
         self._worker = OffloadWorker(
-            kv_caches, self._num_slots, cache_groups=[
+            kv_caches, tiers.num_slots, cache_groups=[
                 g.layer_names for g in config.kv_cache_groups
                 if not isinstance(g.kv_cache_spec, MambaSpec)],
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes,
             shared=None if not self.options.pool else SharedPart(
-                self.options.pool, self._vllm_config.parallel_config.rank * self._slot_bytes,
+                self.options.pool, self._vllm_config.parallel_config.rank * tiers.slot_bytes,
                 self._vllm_config.parallel_config.rank))
-        if self._remote is not None:
-            namespace, writes = rank_namespace(self._namespace, offloaded_spec(config),
+        if tiers.remote is not None:
+            namespace, writes = rank_namespace(tiers.namespace, offloaded_spec(config),
                                                self._vllm_config.parallel_config)
-            remote = self._remote
+            remote = tiers.remote
             self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,
                                                                   writes=writes))
-        if self._disk is not None:
+        if tiers.disk is not None:
             parallel = self._vllm_config.parallel_config
-            digest = disk_namespace(self._namespace, parallel.rank,
+            digest = disk_namespace(tiers.namespace, parallel.rank,
                                     parallel.tensor_parallel_size).digest
-            slab = SlabFile(self._disk.path, digest, self._worker.block_bytes,
-                            self._num_disk_slots)
+            slab = SlabFile(tiers.disk.path, digest, self._worker.block_bytes,
+                            tiers.num_disk_slots)
             self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
         advise = advise_block_outermost(asked, backends, kv_dtype)
         how = self._worker.describe(advise)
@@ -294,7 +234,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         events = self._running_worker().poll()
-        if len(self._groups) == 1:
+        if len(self._tiers.groups) == 1:
             self._load_errors |= events.failed_block_ids
         # (several groups: block ids repeat across groups, so vLLM takes failed requests only,
         # and recomputes them whole, or fails them under the "fail" policy)
@@ -354,7 +294,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if remote is None:
                 return None, False
             core.set_remote_hits(request.request_id, remote)
-            hits += remote * self._block_size
+            hits += remote * self._tiers.block_size
         return hits, hits > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -362,7 +302,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         split = self._core().plan_load(request.request_id, request.block_hashes,
                                        blocks.get_block_ids(), num_external_tokens)
         if split[1] or split[2]:  # for get_external_cache_hit_sources, which vLLM calls next
-            self._hit_split[request.request_id] = tuple(n * self._block_size for n in split)
+            self._hit_split[request.request_id] = tuple(n * self._tiers.block_size for n in split)
         elif num_external_tokens:  # a new plan from the host pool alone (the 0-token call
             self._hit_split.pop(request.request_id, None)  # after a load keeps the last)
 
@@ -380,7 +320,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id in scheduler_output.preempted_req_ids or ():
             core.request_preempted(req_id)
         scheduled = scheduler_output.num_scheduled_tokens
-        if self._windowed:  # before this step's stores: only jobs already sent can be flushed
+        if self._tiers.windowed:  # before this step's stores: only jobs already sent can be flushed
             core.flush_windows({req_id: r.num_computed_tokens + scheduled.get(req_id, 0)
                                 for req_id, r in self._requests.items()})
         stores = []
@@ -441,16 +381,4 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                            per_engine_labelvalues: dict[int, list[object]]
                            ) -> KVConnectorPromMetrics:
         return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _largest_pp_stage(vllm_config: VllmConfig) -> int:
-    """Layers of the largest pipeline stage (0 without PP)."""
-    pp_size = vllm_config.parallel_config.pipeline_parallel_size
-    if pp_size == 1:
-        return 0
-    from vllm.distributed.utils import get_pp_indices
-
-    total = vllm_config.model_config.get_total_num_hidden_layers()
-    return max(end - start for start, end in
-               (get_pp_indices(total, rank, pp_size) for rank in range(pp_size)))
 

@@ -27,20 +27,45 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 
-def expect_loaded(llm: LLM, before: dict[str, float], got: Generation, tokens: int,
-                  tensor_parallel_size: int = 1) -> None:
-    """Proof that `tokens` prompt tokens came from the connector, not vLLM's prefix cache nor a
-    recompute: vLLM's per-request and prefix-cache counters and the connector's own."""
-    gained = counted(llm, before)
-    blocks = tokens // BLOCK_SIZE
+def reload(llm: LLM, prompt: list[int],
+           reference: Generation) -> tuple[Generation, dict[str, float]]:
+    """settle() (stores complete, vLLM's prefix cache emptied), then `prompt` again: its tokens
+    and logprobs must be `reference`'s. Returns it and what every counter gained meanwhile."""
+    settle(llm)
+    before = counters(llm)
+    again = generate(llm, prompt)
+    assert again.same_output(reference), (reference, again)
+    return again, counted(llm, before)
+
+
+def compute_then_reload(llm: LLM,
+                        prompt: list[int]) -> tuple[Generation, Generation, dict[str, float]]:
+    """Every tier emptied, `prompt` computed (nothing cached), then `reload` of it against that
+    first run: returns (first, again, gained)."""
+    forget_everything(llm)
+    first = generate(llm, prompt)
+    assert first.num_cached_tokens == 0, first
+    again, gained = reload(llm, prompt, first)
+    return first, again, gained
+
+
+def expect_loaded(gained: dict[str, float], got: Generation, tokens: int,
+                  load_bytes: int) -> None:
+    """Proof that `tokens` prompt tokens (`load_bytes` bytes, all TP ranks together) came from
+    the connector, not vLLM's prefix cache nor a recompute: vLLM's per-request count, and its
+    prefix-cache counters and the connector's own in `gained` (what `reload` returns)."""
     assert got.num_cached_tokens == tokens, got
     assert gained["prefix_cache_hits"] == 0, gained  # vLLM's own cache was emptied
     assert gained["external_prefix_cache_hits"] == tokens, gained
     assert gained["kvconnector_hit_tokens"] == tokens, gained
-    # every TP rank loads its share of each block; vLLM sums the ranks' reports
-    assert gained["kvconnector_load_bytes"] == blocks * block_bytes(tensor_parallel_size) * \
-        tensor_parallel_size, gained
+    assert gained["kvconnector_load_bytes"] == load_bytes, gained
     assert gained["kvconnector_failed_loads"] == 0, gained
+
+
+def loaded_bytes(tokens: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes that loading `tokens` moves in a single-group model: every TP rank loads its share
+    of each block; vLLM sums the ranks' reports."""
+    return tokens // BLOCK_SIZE * block_bytes(tensor_parallel_size) * tensor_parallel_size
 
 
 def expect_corruption_seen(llm: LLM, prompt: list[int], reference: Generation,
@@ -60,14 +85,8 @@ def check_reload_after_reset(llm: LLM, seed: int, tensor_parallel_size: int = 1)
     blocks load from the CPU tier and tokens and logprobs are identical."""
     prompt = prompt_ids(seed, 200)
     stored = (len(prompt) // BLOCK_SIZE) * BLOCK_SIZE  # 192: the last 8 tokens are computed
-    forget_everything(llm)
-    first = generate(llm, prompt)
-    assert first.num_cached_tokens == 0, first
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, prompt)
-    assert again.same_output(first), (first, again)
-    expect_loaded(llm, before, again, stored, tensor_parallel_size)
+    first, again, gained = compute_then_reload(llm, prompt)
+    expect_loaded(gained, again, stored, loaded_bytes(stored, tensor_parallel_size))
     expect_corruption_seen(llm, prompt, first, stored)
 
 
@@ -92,11 +111,9 @@ def check_block_aligned_reload(llm: LLM, seed: int, tensor_parallel_size: int = 
     gained = counted(llm, before)
     assert (gained["prefix_cache_hits"], gained["external_prefix_cache_hits"]) == \
         (length - BLOCK_SIZE, 0), gained
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, prompt)
-    assert again.same_output(reused), (reused, again)
-    expect_loaded(llm, before, again, length - BLOCK_SIZE, tensor_parallel_size)
+    again, gained = reload(llm, prompt, reused)
+    loaded = length - BLOCK_SIZE
+    expect_loaded(gained, again, loaded, loaded_bytes(loaded, tensor_parallel_size))
     expect_corruption_seen(llm, prompt, reused, length - BLOCK_SIZE)
 
 
@@ -110,10 +127,7 @@ def check_extending_a_stored_prefix(llm: LLM, seed: int, tensor_parallel_size: i
     assert computed.num_cached_tokens == 0, computed
     forget_everything(llm)
     generate(llm, prefix)
-    settle(llm)
-    before = counters(llm)
-    extended = generate(llm, longer)
-    assert extended.same_output(computed), (computed, extended)
-    expect_loaded(llm, before, extended, 192, tensor_parallel_size)
+    extended, gained = reload(llm, longer, computed)
+    expect_loaded(gained, extended, 192, loaded_bytes(192, tensor_parallel_size))
     # the longer prompt's own 9 full blocks are now stored: the control reloads all of them
     expect_corruption_seen(llm, longer, computed, 288)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import xxhash
-from engine_checks import expect_corruption_seen
+from engine_checks import expect_corruption_seen, reload
 from engine_support import (
     BLOCK_SIZE,
     Generation,
@@ -129,9 +129,10 @@ def rewrite_on_disk(disk: Path, change: str) -> int:
     return len(blocks)
 
 
-def expect_disk_load(llm: LLM, before: dict[str, float], by_source: dict[str, float],
+def expect_disk_load(llm: LLM, gained: dict[str, float], by_source: dict[str, float],
                      got: Generation) -> None:
-    gained = counted(llm, before)
+    """`got` loaded A's ON_DISK tokens from disk: the counters' gains and vLLM's count by source
+    since `by_source` (a `cached_by_source` snapshot)."""
     assert got.num_cached_tokens == ON_DISK, got
     assert gained["prefix_cache_hits"] == 0, gained
     assert gained["external_prefix_cache_hits"] == ON_DISK, gained
@@ -151,10 +152,9 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_disk_identically(
     llm, a, b = first.llm, prompt_ids(31, 200), prompt_ids(32, 200)
     computed = a_on_disk_only(llm, a, b)
     assert len(slab_blocks(first.disk)[1]) == POOL_SLOTS
-    before, by_source = counters(llm), cached_by_source(llm)
-    again = generate(llm, a)
-    assert again.same_output(computed), (computed, again)
-    expect_disk_load(llm, before, by_source, again)
+    by_source = cached_by_source(llm)
+    again, gained = reload(llm, a, computed)
+    expect_disk_load(llm, gained, by_source, again)
 
     # Control: the same blocks on disk replaced by zeros under sound footers load, and the
     # output changes: what the reload used came from the slab.
@@ -162,7 +162,7 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_disk_identically(
     assert rewrite_on_disk(first.disk, "zero") == POOL_SLOTS
     before, by_source = counters(llm), cached_by_source(llm)
     zeroed = generate(llm, a)
-    expect_disk_load(llm, before, by_source, zeroed)
+    expect_disk_load(llm, counted(llm, before), by_source, zeroed)
     assert zeroed.logprobs != computed.logprobs, "zeroed blocks on disk changed no logprob"
     forget_everything(llm)
 
@@ -183,12 +183,9 @@ def test_bytes_flipped_on_disk_fail_the_load_and_vllm_recomputes_identically(
     assert gained["kvconnector_load_bytes"] == 0, gained
     # nothing corrupt was kept: the failed blocks left the disk index, the recomputed ones
     # were stored again and reload identically
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, a)
-    assert again.same_output(computed), (computed, again)
+    again, gained = reload(llm, a, computed)
     assert again.num_cached_tokens == ON_DISK, again
-    assert counted(llm, before)["kvconnector_failed_loads"] == 0
+    assert gained["kvconnector_failed_loads"] == 0, gained
     forget_everything(llm)
 
 
@@ -198,9 +195,8 @@ def test_a_new_engine_on_the_same_disk_path_loads_the_blocks_it_finds(
     computed = a_on_disk_only(first.llm, a, b)
     first.stop()  # the slab is closed; A's 4 blocks stay in it
     with running_llm(tiny_model, _extra(first.disk)) as llm:
-        before, by_source = counters(llm), cached_by_source(llm)
-        got = generate(llm, a)
-        assert got.same_output(computed), (computed, got)
-        expect_disk_load(llm, before, by_source, got)
+        by_source = cached_by_source(llm)
+        got, gained = reload(llm, a, computed)
+        expect_disk_load(llm, gained, by_source, got)
         # read into pool slots, they stay there: zeroed, the reload must change
         expect_corruption_seen(llm, a, computed, ON_DISK)

@@ -16,16 +16,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
-from engine_checks import expect_corruption_seen
-from engine_support import (
-    BLOCK_SIZE,
-    counted,
-    counters,
-    forget_everything,
-    generate,
-    running_llm,
-    settle,
-)
+from engine_checks import compute_then_reload, expect_corruption_seen, expect_loaded, reload
+from engine_support import BLOCK_SIZE, forget_everything, generate, running_llm
 from tiny_hybrid import GEMMA3_LAYERS, GEMMA3_WINDOW
 from tiny_llama import HEAD_SIZE, NUM_KV_HEADS, prompt_ids
 
@@ -91,22 +83,10 @@ def _reload(llm: LLM, prompt: list[int], loaded_tokens: int) -> None:
     """Compute `prompt`, empty vLLM's prefix cache, run it again: identical, `loaded_tokens`
     loaded from the CPU tier (the full group's blocks and each window's), then the negative
     control."""
-    forget_everything(llm)
-    first = generate(llm, prompt)
-    assert first.num_cached_tokens == 0, first
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, prompt)
-    assert again.same_output(first), (first, again)
-    gained = counted(llm, before)
+    first, again, gained = compute_then_reload(llm, prompt)
     blocks = loaded_tokens // BLOCK_SIZE
     physical = blocks + (NUM_GROUPS - 1) * min(blocks, WINDOW_BLOCKS)
-    assert again.num_cached_tokens == loaded_tokens, again
-    assert gained["prefix_cache_hits"] == 0, gained  # vLLM's own cache was emptied
-    assert gained["external_prefix_cache_hits"] == loaded_tokens, gained
-    assert gained["kvconnector_hit_tokens"] == loaded_tokens, gained
-    assert gained["kvconnector_load_bytes"] == physical * SLOT_BYTES, gained
-    assert gained["kvconnector_failed_loads"] == 0, gained
+    expect_loaded(gained, again, loaded_tokens, physical * SLOT_BYTES)
     expect_corruption_seen(llm, prompt, first, loaded_tokens)
 
 
@@ -127,11 +107,7 @@ def test_a_prompt_extending_a_stored_prefix_loads_it_and_computes_the_rest(llm: 
     computed = generate(llm, longer)
     forget_everything(llm)
     generate(llm, prefix)
-    settle(llm)
-    before = counters(llm)
-    extended = generate(llm, longer)
-    assert extended.same_output(computed), (computed, extended)
-    gained = counted(llm, before)
+    extended, gained = reload(llm, longer, computed)
     assert extended.num_cached_tokens == 192, extended
     assert gained["kvconnector_hit_tokens"] == 192, gained
     assert gained["kvconnector_load_bytes"] == (6 + 2 * WINDOW_BLOCKS) * SLOT_BYTES, gained

@@ -15,17 +15,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from engine_checks import expect_corruption_seen
-from engine_support import (
-    BLOCK_SIZE,
-    counted,
-    counters,
-    forget_everything,
-    generate,
-    running_llm,
-    scheduler_connector,
-    settle,
-)
+from engine_checks import compute_then_reload, expect_corruption_seen, expect_loaded
+from engine_support import BLOCK_SIZE, generate, running_llm, scheduler_connector, settle
 from tiny_llama import HEAD_SIZE, NUM_KV_HEADS, prompt_ids
 
 if TYPE_CHECKING:
@@ -95,22 +86,10 @@ def test_a_reload_restores_the_attention_blocks_and_the_state(
         llm: LLM, finished_hashes: list[list[bytes]], seed: int, length: int,
         loaded: int) -> None:
     prompt = prompt_ids(seed, length)
-    forget_everything(llm)
-    first = generate(llm, prompt)
-    assert first.num_cached_tokens == 0, first
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, prompt)
-    assert again.same_output(first), (first, again)
-    gained = counted(llm, before)
+    first, again, gained = compute_then_reload(llm, prompt)
     blocks = loaded // BLOCK_SIZE
-    assert again.num_cached_tokens == loaded, again
-    assert gained["prefix_cache_hits"] == 0, gained
-    assert gained["external_prefix_cache_hits"] == loaded, gained
-    assert gained["kvconnector_hit_tokens"] == loaded, gained
     # the attention group's blocks and one state block
-    assert gained["kvconnector_load_bytes"] == (blocks + 1) * SLOT_BYTES, gained
-    assert gained["kvconnector_failed_loads"] == 0, gained
+    expect_loaded(gained, again, loaded, (blocks + 1) * SLOT_BYTES)
     # negative control 1: only the state's slot zeroed (the attention blocks intact)
     settle(llm)
     slot = _state_slot(llm, finished_hashes[0], blocks - 1)

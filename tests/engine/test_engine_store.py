@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from engine_checks import expect_corruption_seen
+from engine_checks import expect_corruption_seen, reload
 from engine_support import (
     Generation,
     block_bytes,
@@ -120,11 +120,7 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
     monkeypatch.undo()
 
     # nothing corrupt was kept: the recomputed blocks reload from the CPU tier identically
-    settle(llm)
-    before = counters(llm)
-    again = generate(llm, LOST)
-    assert again.same_output(reference), (reference, again)
+    again, gained = reload(llm, LOST, reference)
     assert again.num_cached_tokens == STORED_TOKENS, again
-    assert counted(llm, before)["kvconnector_load_bytes"] == \
-        STORED_TOKENS // 32 * block_bytes()
+    assert gained["kvconnector_load_bytes"] == STORED_TOKENS // 32 * block_bytes(), gained
     expect_corruption_seen(llm, LOST, reference, STORED_TOKENS)

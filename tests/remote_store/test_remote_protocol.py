@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvconnector.cli.store import parse_size
+from kvconnector.cli.units import parse_size
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus, block_checksum
 from transfer.remote.store.protocol import (

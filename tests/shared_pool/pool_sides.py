@@ -3,13 +3,17 @@
 `Side` is one engine: a scheduler core (OffloadScheduler over a SharedIndex) and one worker
 (OffloadWorker mapping the daemon's segment) over its own CPU cache, stepped as the engine
 would. Tests run one side in the test process and others in spawned children (each its own
-process, own connection, own mapping); `writer_child` / `reader_child` are the children.
+process, own connection, own mapping); `writer_child` / `reader_child` are the children, each
+driven through a `Child`.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -29,6 +33,7 @@ POISON = 0xA5
 NS = Namespace(model="tiny", dtype="bfloat16", block_size=BS, block_layout="test")
 OTHER_NS = Namespace(model="other", dtype="bfloat16", block_size=BS, block_layout="test")
 TIMEOUT_S = 120.0
+_SPAWN = mp.get_context("spawn")
 
 
 class Side:
@@ -90,6 +95,32 @@ class Side:
         self.worker.close()
         self.index.close()
         self.cache.close()
+
+
+class Child:
+    """A spawned engine process and the pipe that drives it."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self.conn, child_end = _SPAWN.Pipe()
+        self.process = _SPAWN.Process(target=target, args=(*args, child_end), daemon=True)
+        self.process.start()
+
+    def ask(self, message: Any) -> Any:
+        self.conn.send(message)
+        return self.answer()
+
+    def answer(self) -> Any:
+        assert self.conn.poll(TIMEOUT_S), "the child did not answer"
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(TIMEOUT_S)
+
+    def exit(self) -> None:
+        self.conn.send("exit")
+        self.process.join(TIMEOUT_S)
+        assert self.process.exitcode == 0
 
 
 def fill(rows: torch.Tensor, blocks: list[int], seed: int) -> list[torch.Tensor]:

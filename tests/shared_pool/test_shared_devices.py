@@ -9,7 +9,6 @@ one with a flipped block copies only the blocks before it. The same tests run on
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from pool_sides import (
     NS,
     POISON,
-    TIMEOUT_S,
+    Child,
     Side,
     fill,
     flip,
@@ -47,15 +46,10 @@ def pool(tmp_path: Path) -> Iterator[PoolProcess]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
                                                              device: str) -> None:
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    target = gpu_writer_child if device == "cuda" else writer_child
-    writer = ctx.Process(target=target, args=(pool.name, theirs), daemon=True)
-    writer.start()
+    writer = Child(gpu_writer_child if device == "cuda" else writer_child, pool.name)
     reader = Side(pool.name, device=device)
     try:
-        ours.send(("store", "g", 4, 21))
-        assert ours.poll(TIMEOUT_S) and ours.recv() == "stored"
+        assert writer.ask(("store", "g", 4, 21)) == "stored"
         want = fill(torch.empty(4, reader.rows.shape[1], dtype=torch.uint8), [0, 1, 2, 3], 21)
         blocks = [13, 2, 7, 5]
         reader.rows.fill_(POISON)
@@ -81,9 +75,7 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
         assert bool((reader.rows[[2, 7, 5]] == POISON).all())  # checked first: never copied
         counters = reader.core.take_counters()
         assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
-        ours.send("exit")
-        writer.join(TIMEOUT_S)
-        assert writer.exitcode == 0
+        writer.exit()
     finally:
         writer.kill()
         reader.close()
@@ -92,17 +84,13 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
 @pytest.mark.parametrize("device", DEVICES)
 def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    writer = ctx.Process(target=writer_child, args=(pool.name, theirs), daemon=True)
-    writer.start()
+    writer = Child(writer_child, pool.name)
     reader = Side(pool.name, device=device)
     try:
         row = reader.rows.shape[1]
         # Chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7.
         monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)
-        ours.send(("store", "m", 12, 31))
-        assert ours.poll(TIMEOUT_S) and ours.recv() == "stored"
+        assert writer.ask(("store", "m", 12, 31)) == "stored"
         want = fill(torch.empty(12, row, dtype=torch.uint8), list(range(12)), 31)
         blocks = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5]
         hits, events = reader.load("a", hashes("m", 12), blocks)
@@ -124,9 +112,7 @@ def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str
         assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
         assert counters.load_bytes == 5 * row
         assert reader.core.lookup("q", hashes("m", 12), 0, 100) == 0  # the keys left the pool
-        ours.send("exit")
-        writer.join(TIMEOUT_S)
-        assert writer.exitcode == 0
+        writer.exit()
     finally:
         writer.kill()
         reader.close()

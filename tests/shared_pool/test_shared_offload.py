@@ -7,10 +7,9 @@ real process: a writer mid-store (half of each slot written), a reader mid-load,
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +21,20 @@ from pool_sides import (
     OTHER_NS,
     POISON,
     TIMEOUT_S,
+    Child,
     Side,
     fill,
+    flip,
     hashes,
     reader_child,
     writer_child,
 )
 
-from transfer.pool import HostPool
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
 from transfer.shared.testing import PoolProcess
 
-CTX = mp.get_context("spawn")
 SLOTS = 16  # 64KiB of 4KiB slots
 
 
@@ -44,32 +43,6 @@ def pool(tmp_path: Path) -> Iterator[PoolProcess]:
     with PoolProcess(tmp_path / "pool.log", f"t{uuid.uuid4().hex[:10]}", capacity="64KiB",
                      slot_bytes="4KiB") as process:
         yield process
-
-
-class Child:
-    """A spawned engine process and the pipe that drives it."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        self.conn, child_end = CTX.Pipe()
-        self.process = CTX.Process(target=target, args=(*args, child_end), daemon=True)
-        self.process.start()
-
-    def ask(self, message: Any) -> Any:
-        self.conn.send(message)
-        return self.answer()
-
-    def answer(self) -> Any:
-        assert self.conn.poll(TIMEOUT_S), "the child did not answer"
-        return self.conn.recv()
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(TIMEOUT_S)
-
-    def exit(self) -> None:
-        self.conn.send("exit")
-        self.process.join(TIMEOUT_S)
-        assert self.process.exitcode == 0
 
 
 def stats(name: str) -> dict[str, Any]:
@@ -101,89 +74,93 @@ def assert_loaded(side: Side, blocks: list[int], want: list[torch.Tensor]) -> No
         assert torch.equal(side.rows[block], data), f"block {block} differs"
 
 
-def test_blocks_stored_by_one_process_load_bit_exact_in_another(pool: PoolProcess) -> None:
+def store_in(writer: Child, reader: Side, tag: str, count: int, seed: int) -> list[torch.Tensor]:
+    """`writer` stores `count` blocks under `tag`; the bytes they hold, in `reader`'s rows."""
+    assert writer.ask(("store", tag, count, seed)) == "stored"
+    return expected_rows(seed, count, reader.rows.shape[1])
+
+
+def load_all(side: Side, req: str, tag: str, blocks: list[int],
+             want: list[torch.Tensor]) -> None:
+    """`side` loads every block of `tag` (poisoned first) into `blocks`: each is `want`'s."""
+    assert side.load(req, hashes(tag, len(blocks)), blocks)[0] == len(blocks)
+    assert_loaded(side, blocks, want)
+
+
+@pytest.fixture
+def sides(pool: PoolProcess) -> Iterator[tuple[Child, Side]]:
+    """(writer, reader): an engine process that stores on command (`writer_child`), killed at
+    the end, and an engine in the test process."""
     writer = Child(writer_child, pool.name)
     reader = Side(pool.name)
     try:
-        assert writer.ask(("store", "p", 5, 1)) == "stored"
-        want = expected_rows(1, 5, reader.rows.shape[1])
-        reader.rows.fill_(POISON)
-        hits, events = reader.load("r", hashes("p", 5), [11, 3, 14, 7, 9])
-        assert hits == 5
-        assert events.finished_loads == {"r"} and not events.failed_loads
-        assert_loaded(reader, [11, 3, 14, 7, 9], want)
-        assert all(bool((reader.rows[b] == POISON).all()) for b in (0, 1, 2))  # untouched
-        # Each block carries the checksum its writer took (one rank: one), bound to its key.
-        keys = NS.keys(hashes("p", 5))
-        assert reader.index.checksums(keys) == [[block_checksum(w.numpy(), k)]
-                                                for w, k in zip(want, keys, strict=True)]
-        writer.exit()
-        # The writer is gone; its blocks stay: a restarted engine finds its prefix.
-        restarted = Side(pool.name)
-        try:
-            assert restarted.load("r2", hashes("p", 5), [0, 1, 2, 3, 4])[0] == 5
-            assert_loaded(restarted, [0, 1, 2, 3, 4], want)
-        finally:
-            restarted.close()
-        # Left: the reader and this query.
-        assert wait_for(pool.name, pinned=0, storing=0, stored=5)["clients"] == 2
+        yield writer, reader
     finally:
         writer.kill()
         reader.close()
 
 
-def test_a_slot_flipped_after_its_commit_is_never_loaded(pool: PoolProcess) -> None:
-    writer = Child(writer_child, pool.name)
-    reader = Side(pool.name)
+def test_blocks_stored_by_one_process_load_bit_exact_in_another(
+        pool: PoolProcess, sides: tuple[Child, Side]) -> None:
+    writer, reader = sides
+    want = store_in(writer, reader, "p", 5, 1)
+    reader.rows.fill_(POISON)
+    hits, events = reader.load("r", hashes("p", 5), [11, 3, 14, 7, 9])
+    assert hits == 5
+    assert events.finished_loads == {"r"} and not events.failed_loads
+    assert_loaded(reader, [11, 3, 14, 7, 9], want)
+    assert all(bool((reader.rows[b] == POISON).all()) for b in (0, 1, 2))  # untouched
+    # Each block carries the checksum its writer took (one rank: one), bound to its key.
+    keys = NS.keys(hashes("p", 5))
+    assert reader.index.checksums(keys) == [[block_checksum(w.numpy(), k)]
+                                            for w, k in zip(want, keys, strict=True)]
+    writer.exit()
+    # The writer is gone; its blocks stay: a restarted engine finds its prefix.
+    restarted = Side(pool.name)
     try:
-        assert writer.ask(("store", "c", 4, 11)) == "stored"
-        want = expected_rows(11, 4, reader.rows.shape[1])
-        keys = NS.keys(hashes("c", 4))
-        plan = reader.index.prepare_load(keys[2:3])  # where the third block lives
-        reader.index.complete_load(keys[2:3])
-        segment = HostPool.attach(reader.index.segment, pinned=False)
-        segment.slots[plan.slots[0], 100] ^= 0x01  # one bit, through the shared segment
-        segment.close()
-        blocks = [12, 4, 9, 1]
-        hits, events = reader.load("r", hashes("c", 4), blocks)
-        assert hits == 4  # the index cannot know: the load's check does
-        assert events.finished_loads == events.failed_loads == {"r"}
-        assert events.failed_block_ids == {9, 1}  # vLLM recomputes from the flipped block on
-        assert_loaded(reader, [12, 4], want[:2])  # the head before it is good and kept
-        assert bool((reader.rows[[9, 1]] == POISON).all())  # nothing copied from it on
-        counters = reader.core.take_counters()
-        assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
-        assert counters.load_bytes == 2 * reader.rows.shape[1]
-        # The failed load's keys leave the pool, so the recomputed blocks are stored again.
-        assert reader.core.lookup("q", hashes("c", 4), 0, 100) == 0
-        assert writer.ask(("store", "c", 4, 11)) == "stored"
-        assert reader.load("r2", hashes("c", 4), blocks)[1].failed_loads == set()
-        assert_loaded(reader, blocks, want)
-        assert reader.core.take_counters().checksum_failures == 0
+        load_all(restarted, "r2", "p", [0, 1, 2, 3, 4], want)
     finally:
-        writer.kill()
-        reader.close()
+        restarted.close()
+    # Left: the reader and this query.
+    assert wait_for(pool.name, pinned=0, storing=0, stored=5)["clients"] == 2
 
 
-def test_writer_killed_mid_store_never_serves_its_half_written_slots(pool: PoolProcess) -> None:
-    writer = Child(writer_child, pool.name)
-    reader = Side(pool.name)
-    try:
-        assert writer.ask(("hold", "k", 4, 2)) == "storing"
-        assert wait_for(pool.name, storing=4)["stored"] == 4
-        # Being written: never a hit, never loadable.
-        assert reader.load("r", hashes("k", 4), [0, 1, 2, 3])[0] == 0
-        assert reader.index.prepare_load(NS.keys(hashes("k", 1))) is None
-        writer.kill()
-        wait_for(pool.name, storing=0, stored=0, free=SLOTS, failed_stores=4)
-        assert reader.load("r", hashes("k", 4), [0, 1, 2, 3])[0] == 0
-        # The slots are free again: the reader stores the same hashes and loads them back.
-        written = reader.store("a", hashes("k", 4), [4, 5, 6, 7], seed=3)
-        assert reader.load("b", hashes("k", 4), [8, 9, 10, 11])[0] == 4
-        assert_loaded(reader, [8, 9, 10, 11], written)
-    finally:
-        writer.kill()
-        reader.close()
+def test_a_slot_flipped_after_its_commit_is_never_loaded(sides: tuple[Child, Side]) -> None:
+    writer, reader = sides
+    want = store_in(writer, reader, "c", 4, 11)
+    flip(reader, NS.keys(hashes("c", 4))[2], 100)  # one bit of the third block's slot
+    blocks = [12, 4, 9, 1]
+    hits, events = reader.load("r", hashes("c", 4), blocks)
+    assert hits == 4  # the index cannot know: the load's check does
+    assert events.finished_loads == events.failed_loads == {"r"}
+    assert events.failed_block_ids == {9, 1}  # vLLM recomputes from the flipped block on
+    assert_loaded(reader, [12, 4], want[:2])  # the head before it is good and kept
+    assert bool((reader.rows[[9, 1]] == POISON).all())  # nothing copied from it on
+    counters = reader.core.take_counters()
+    assert (counters.checksum_failures, counters.failed_loads) == (1, 1)
+    assert counters.load_bytes == 2 * reader.rows.shape[1]
+    # The failed load's keys leave the pool, so the recomputed blocks are stored again.
+    assert reader.core.lookup("q", hashes("c", 4), 0, 100) == 0
+    store_in(writer, reader, "c", 4, 11)
+    assert reader.load("r2", hashes("c", 4), blocks)[1].failed_loads == set()
+    assert_loaded(reader, blocks, want)
+    assert reader.core.take_counters().checksum_failures == 0
+
+
+def test_writer_killed_mid_store_never_serves_its_half_written_slots(
+        pool: PoolProcess, sides: tuple[Child, Side]) -> None:
+    writer, reader = sides
+    assert writer.ask(("hold", "k", 4, 2)) == "storing"
+    assert wait_for(pool.name, storing=4)["stored"] == 4
+    # Being written: never a hit, never loadable.
+    assert reader.load("r", hashes("k", 4), [0, 1, 2, 3])[0] == 0
+    assert reader.index.prepare_load(NS.keys(hashes("k", 1))) is None
+    writer.kill()
+    wait_for(pool.name, storing=0, stored=0, free=SLOTS, failed_stores=4)
+    assert reader.load("r", hashes("k", 4), [0, 1, 2, 3])[0] == 0
+    # The slots are free again: the reader stores the same hashes and loads them back.
+    written = reader.store("a", hashes("k", 4), [4, 5, 6, 7], seed=3)
+    load_all(reader, "b", "k", [8, 9, 10, 11], written)
 
 
 def test_reader_killed_mid_load_releases_its_pins(pool: PoolProcess) -> None:
@@ -209,40 +186,33 @@ def test_reader_killed_mid_load_releases_its_pins(pool: PoolProcess) -> None:
         writer.close()
 
 
-def test_daemon_killed_loads_fail_then_both_sides_reconnect(pool: PoolProcess) -> None:
-    writer = Child(writer_child, pool.name)
-    reader = Side(pool.name)
-    try:
-        assert writer.ask(("store", "d", 3, 7)) == "stored"
-        want = expected_rows(7, 3, reader.rows.shape[1])
-        assert reader.load("r0", hashes("d", 3), [0, 1, 2])[0] == 3  # maps the first segment
-        assert_loaded(reader, [0, 1, 2], want)
-        old_segment = reader.index.segment
-        # A lookup hits, then the daemon dies before the load pins: the load fails.
-        reader.rows[[4, 5, 6]] = POISON
-        assert reader.core.lookup("r1", hashes("d", 3), 0, 100) == 3 * BS
-        pool.kill()
-        reader.core.plan_load("r1", hashes("d", 3), [4, 5, 6], 3 * BS)
-        events = reader.step()
-        assert events.finished_loads == events.failed_loads == {"r1"}
-        assert events.failed_block_ids == {4, 5, 6}
-        assert bool((reader.rows[[4, 5, 6]] == POISON).all())  # nothing loaded
-        # While it is down: no hits (recompute), no stores.
-        assert reader.core.lookup("r2", hashes("d", 3), 0, 100) == 0
-        reader.store("s", hashes("s", 2), [8, 9], seed=8)
-        assert reader.core.take_counters().unplaced_blocks == 2
-        pool.start()  # a stale socket and segment are cleaned up
-        assert reader.core.lookup("r3", hashes("d", 3), 0, 100) == 0  # a new, empty pool
-        assert reader.index.segment != old_segment
-        # The writer's engine reconnects on its next call and stores into the new segment;
-        # the reader maps it at its next job.
-        assert writer.ask(("store", "d", 3, 7)) == "stored"
-        assert reader.load("r4", hashes("d", 3), [10, 11, 12])[0] == 3
-        assert_loaded(reader, [10, 11, 12], want)
-        assert reader.worker.pool.shared_name == reader.index.segment
-    finally:
-        writer.kill()
-        reader.close()
+def test_daemon_killed_loads_fail_then_both_sides_reconnect(
+        pool: PoolProcess, sides: tuple[Child, Side]) -> None:
+    writer, reader = sides
+    want = store_in(writer, reader, "d", 3, 7)
+    load_all(reader, "r0", "d", [0, 1, 2], want)  # maps the first segment
+    old_segment = reader.index.segment
+    # A lookup hits, then the daemon dies before the load pins: the load fails.
+    reader.rows[[4, 5, 6]] = POISON
+    assert reader.core.lookup("r1", hashes("d", 3), 0, 100) == 3 * BS
+    pool.kill()
+    reader.core.plan_load("r1", hashes("d", 3), [4, 5, 6], 3 * BS)
+    events = reader.step()
+    assert events.finished_loads == events.failed_loads == {"r1"}
+    assert events.failed_block_ids == {4, 5, 6}
+    assert bool((reader.rows[[4, 5, 6]] == POISON).all())  # nothing loaded
+    # While it is down: no hits (recompute), no stores.
+    assert reader.core.lookup("r2", hashes("d", 3), 0, 100) == 0
+    reader.store("s", hashes("s", 2), [8, 9], seed=8)
+    assert reader.core.take_counters().unplaced_blocks == 2
+    pool.start()  # a stale socket and segment are cleaned up
+    assert reader.core.lookup("r3", hashes("d", 3), 0, 100) == 0  # a new, empty pool
+    assert reader.index.segment != old_segment
+    # The writer's engine reconnects on its next call and stores into the new segment;
+    # the reader maps it at its next job.
+    store_in(writer, reader, "d", 3, 7)
+    load_all(reader, "r4", "d", [10, 11, 12], want)
+    assert reader.worker.pool.shared_name == reader.index.segment
 
 
 def test_a_foreign_namespace_is_never_served(pool: PoolProcess) -> None:

@@ -38,12 +38,9 @@ from vllm_harness import (  # noqa: E402
 )
 
 from kvconnector.offload.worker import PER_LAYER  # noqa: E402
-from kvconnector.vllm.connector import (  # noqa: E402
-    ConnectorOptions,
-    CrossLayerOffloadConnector,
-    _largest_pp_stage,
-)
+from kvconnector.vllm.connector import ConnectorOptions, CrossLayerOffloadConnector  # noqa: E402
 from kvconnector.vllm.stats import OffloadStats  # noqa: E402
+from kvconnector.vllm.tiers import largest_pp_stage  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
@@ -97,9 +94,9 @@ def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
                                    get_total_num_hidden_layers=lambda: layers))
 
     # vLLM splits 62 layers over 4 stages as 15/16/16/15: every stage sizes slots for 16.
-    assert _largest_pp_stage(config(62, 4)) == 16
-    assert _largest_pp_stage(config(81, 4)) == 21
-    assert _largest_pp_stage(config(32, 1)) == 0
+    assert largest_pp_stage(config(62, 4)) == 16
+    assert largest_pp_stage(config(81, 4)) == 21
+    assert largest_pp_stage(config(32, 1)) == 0
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -131,7 +128,7 @@ def test_connector_refuses_a_pool_without_a_block_and_groups_it_cannot_move(
                                dtype=torch.bfloat16, sliding_window=64)
     hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)])
-    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, hybrid)._groups
+    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, hybrid)._tiers.groups
     assert [(g.prefix, g.window) for g in groups] == [(b"\x00", None), (b"\x01", 64)]
     # a state group keeps a state per block boundary only in vLLM's align mode
     mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,),
@@ -142,7 +139,7 @@ def test_connector_refuses_a_pool_without_a_block_and_groups_it_cannot_move(
         CrossLayerOffloadConnector(config, KVConnectorRole.WORKER, state)
     aligned = dataclasses.replace(mamba, mamba_cache_mode="align")
     state.kv_cache_groups[1] = KVCacheGroupSpec(["m1"], aligned)
-    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, state)._groups
+    groups = CrossLayerOffloadConnector(config, KVConnectorRole.SCHEDULER, state)._tiers.groups
     assert [(g.prefix, g.window, g.state) for g in groups] == [(b"\x00", None, False),
                                                                 (b"\x01", None, True)]
     only_state = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[

@@ -292,7 +292,7 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
                                 extra_config={"cpu_bytes": cpu_slots * slot_bytes},
                                 **setup), gates=gates)
     assert engine.layout == variant.layout
-    assert engine.connector._num_slots == cpu_slots
+    assert engine.connector._tiers.num_slots == cpu_slots
     mode = BLOCK_MAJOR if variant.layout == "BLNHC" else PER_LAYER
     for worker in engine.workers:
         assert worker.connector._worker.mode == mode
