@@ -82,17 +82,26 @@ VARIANTS = [
     pytest.param(V("BLNHC", tp=2, async_scheduling=True, window=WINDOW),
                  id="hybrid-tp2-AsyncScheduler"),
     pytest.param(V("BLNHC", drafts=3, window=WINDOW), id="hybrid-drafts-Scheduler"),
+    # state hybrid: a full attention and an align-mode state group (vLLM's MambaSpec, as LFM2's
+    # short convolutions): a reload restores the state group's block at the prefix end
+    pytest.param(V("BLNHC", state=True), id="state-Scheduler"),
+    pytest.param(V("BLNHC", async_scheduling=True, state=True), id="state-AsyncScheduler"),
+    pytest.param(V("LBNHC", tp=2, state=True), id="state-per-layer-tp2-Scheduler"),
+    pytest.param(V("BLNHC", tp=2, async_scheduling=True, state=True),
+                 id="state-tp2-AsyncScheduler"),
+    pytest.param(V("BLNHC", drafts=3, state=True), id="state-drafts-Scheduler"),
 ]
 
 
 def skip_one_group_pool(variant: h.Variant) -> None:
     """Scenarios that hold a store in flight while a pool counted for one KV cache group fills
     up: no hybrid count yet (two groups draw from one pool), and with a sliding window group
-    the held store reads blocks vLLM frees as they leave the window, so the connector rightly
-    waits for it before the next forward (flush_windows) and the held copy would stall it."""
-    if variant.window is not None:
-        pytest.skip("holds a store of sliding window blocks across steps; pool counted for "
-                    "one KV cache group")
+    (or a state group, whose blocks leave as a window of two) the held store reads blocks vLLM
+    frees as they leave the window, so the connector rightly waits for it before the next
+    forward (flush_windows) and the held copy would stall it."""
+    if variant.window is not None or variant.state:
+        pytest.skip("holds a store of sliding window or state blocks across steps; pool "
+                    "counted for one KV cache group")
 
 
 @pytest.fixture(params=VARIANTS)
@@ -124,8 +133,10 @@ def test_identical_request_loads_every_stored_byte(model_dir: str, variant: h.Va
     assert (stats.data["hit_tokens"], stats.data["failed_loads"]) == (4 * BS, 0)
     # every rank's bytes of 4 blocks of each group (a sliding window group: its window's)
     assert stats.data["load_bytes"] == h.reload_blocks(engine, 4) * block_bytes
-    groups = len(engine.kv_cache_config.kv_cache_groups)  # stored in one step: none freed yet
-    assert stats.data["store_bytes"] == 4 * groups * block_bytes
+    # stored in one step, none freed yet; a state group's prefill step keeps one block, at
+    # its end (the others are its null block)
+    stored = sum(1 if group.state else 4 for group in engine.connector._scheduler.groups)
+    assert stats.data["store_bytes"] == stored * block_bytes
 
 
 def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
@@ -138,8 +149,10 @@ def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
     shares_two = prompt[:2 * BS + 5] + make_prompt(3, 2 * BS)
     shares_none = [prompt[0] + 1] + prompt[1:]
     run_to_completion(engine, {"c": (shares_two, 2), "d": (shares_none, 2)})
+    # A state group keeps the states where a's steps ended (64 tokens, then decode), none after
+    # 32: vLLM's own prefix cache could not resume c there either.
     for worker in engine.workers:
-        assert worker.starts["c"] == [2 * BS]
+        assert worker.starts["c"] == [0 if variant.state else 2 * BS]
         assert worker.starts["d"] == [0]
 
 
@@ -429,8 +442,6 @@ def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: h.Varia
     assert sum(len(w.starts) for w in engine.workers) == len(engine.workers) * 32
 
 
-
-
 @pytest.mark.parametrize("variant", [p for p in VARIANTS if "hybrid" in p.id], indirect=True)
 def test_a_store_of_sliding_blocks_ends_before_vllm_frees_them(model_dir: str,
                                                                 variant: h.Variant) -> None:
@@ -467,3 +478,30 @@ def test_a_store_of_sliding_blocks_ends_before_vllm_frees_them(model_dir: str,
     poison_gpu(engine)
     run_to_completion(engine, {"b": (prompt, 4)})
     assert all(w.starts["b"] == [4 * BS] for w in engine.workers)  # the held copy's bytes
+
+
+@pytest.mark.parametrize("variant", [p for p in VARIANTS if "state" in p.id], indirect=True)
+def test_a_state_group_resumes_a_shared_prefix_where_a_state_was_kept(
+        model_dir: str, variant: h.Variant) -> None:
+    # a's prefill keeps the state after 64 tokens (vLLM's align mode ends its first chunk on
+    # the last block boundary before its last token) and decode the ones after 80 and 96; c
+    # shares a's first 64 + 1 tokens, so it resumes at 64 from the state there and the
+    # attention blocks before it, each compared in its first forward; the state after 32,
+    # never kept, cannot serve d, which shares 32 + 5; e, a's next turn, resumes at 96.
+    engine = make_engine(model_dir, variant)
+    prompt = make_prompt(41, 4 * BS + 3)
+    run_to_completion(engine, {"a": (prompt, 2 * BS)})
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    c = prompt[:4 * BS + 1] + make_prompt(42, 2 * BS)
+    d = prompt[:2 * BS + 5] + make_prompt(43, 2 * BS)
+    turn = prompt + engine.finished["a"]  # 6 blocks and 3 tokens
+    run_to_completion(engine, {"c": (c, 2), "d": (d, 2), "e": (turn, 2)})
+    for worker in engine.workers:
+        assert worker.starts["c"] == [4 * BS]
+        assert worker.starts["d"] == [0]
+        assert worker.starts["e"] == [6 * BS]
+    stats = total_stats(engine)
+    block_bytes = sum(worker.connector._worker.block_bytes for worker in engine.workers)
+    assert stats.data["hit_tokens"] == 10 * BS
+    assert stats.data["load_bytes"] == (4 + 1 + 6 + 1) * block_bytes  # attention + a state each
