@@ -81,25 +81,44 @@ class LoadPlanner:
         if len(self.groups) == 1:
             keys = self._keys(self.groups[0], hashes)
             hits = self.index.lookup_prefix(keys)
-            rest = keys[hits:]
-        else:
-            # runs[g][i]: stored blocks of group g ending at position start + i
-            runs = []
-            for group in self.groups:
-                run, counts = 0, []
-                for key in self._keys(group, hashes):
-                    run = run + 1 if self.index.contains(key) else 0
-                    counts.append(run)
-                runs.append(counts)
-            hits = next((p for p in range(len(hashes), 0, -1)
-                         if all(counts[p - 1] >= len(self._needed(group, start, start + p))
-                                for group, counts in zip(self.groups, runs, strict=True))), 0)
-            rest = []
-        lookup = self._lookups[req_id] = Lookup(start, len(hashes), hits, rest)
-        if self.disk is not None:  # room: slots to read into, past the hits the load pins
-            lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
-                lookup.rest, max(0, self.index.num_reclaimable - hits))
-        return (hits + lookup.disk_hits) * self.block_size
+            lookup = self._lookups[req_id] = Lookup(start, len(hashes), hits, keys[hits:])
+            if self.disk is not None:  # room: slots to read into, past the hits the load pins
+                lookup.disk_hits, lookup.disk_capped = self.disk.leading_hits(
+                    lookup.rest, max(0, self.index.num_reclaimable - hits))
+            return (hits + lookup.disk_hits) * self.block_size
+        hits = self._group_hits(start, hashes)
+        self._lookups[req_id] = Lookup(start, len(hashes), hits, [])
+        return hits * self.block_size
+
+    def _group_hits(self, start: int, hashes: Sequence[bytes]) -> int:
+        """Several groups: the longest prefix of `hashes` (blocks from `start`) whose blocks
+        every group needs are in the pool or on disk, the disk's no more than the pool has
+        slots to read them into now."""
+        keys = [self._keys(group, hashes) for group in self.groups]
+        pooled = self.index.present([key for group_keys in keys for key in group_keys])
+        runs, disk_sums = [], []  # per group: blocks held ending at each position; read counts
+        for i, group_keys in enumerate(keys):
+            run, counts, read, reads = 0, [], 0, [0]
+            for j, key in enumerate(group_keys):
+                in_pool = pooled[i * len(hashes) + j]
+                on_disk = not in_pool and self.disk is not None and self.disk.index.contains(key)
+                run = run + 1 if in_pool or on_disk else 0
+                read += on_disk
+                counts.append(run)
+                reads.append(read)
+            runs.append(counts)
+            disk_sums.append(reads)
+        for p in range(len(hashes), 0, -1):
+            needed = [self._needed(group, start, start + p) for group in self.groups]
+            if any(counts[p - 1] < len(positions)
+                   for positions, counts in zip(needed, runs, strict=True)):
+                continue
+            reads = sum(sums[r.stop - start] - sums[r.start - start]
+                        for r, sums in zip(needed, disk_sums, strict=True))
+            pinned = sum(map(len, needed)) - reads
+            if not reads or reads <= self.index.num_reclaimable - pinned:
+                return p
+        return 0
 
     def remote_candidates(self, req_id: str) -> list[bytes]:
         """Keys of the last lookup after the CPU and disk tiers' hits (what to ask the store
@@ -147,24 +166,28 @@ class LoadPlanner:
         self._counters.miss_tokens += (asked - hit_blocks) * self.block_size
         if hit_blocks == 0:
             return 0, 0, 0
-        cpu_blocks = min(hit_blocks, lookup.cpu_hits)
-        disk_blocks = min(hit_blocks - cpu_blocks, lookup.disk_hits)
-        remote_blocks = hit_blocks - cpu_blocks - disk_blocks
-        self._counters.disk_hit_tokens += disk_blocks * self.block_size
-        self._counters.remote_hit_tokens += remote_blocks * self.block_size
-        disk_keys, fetch_keys = lookup.rest[:disk_blocks], lookup.rest[disk_blocks:hit_blocks
-                                                                           - cpu_blocks]
         state = self._requests.setdefault(req_id, RequestState())
-        keys: list[bytes] = []
-        destination: list[int] = []
-        for group, table in zip(self.groups, tables, strict=True):
+        for table in tables:
             if len(table) < start + hit_blocks:
                 raise ValueError(f"request {req_id!r}: {len(table)} blocks allocated, the load "
                                  f"needs {start + hit_blocks}")
-            # Blocks read or fetched are past the CPU tier's (one group only).
-            needed = self._needed(group, start, start + cpu_blocks)
-            keys += self._keys(group, [block_hashes[i] for i in needed])
-            destination += [table[i] for i in self._needed(group, start, start + hit_blocks)]
+        if len(self.groups) == 1:
+            cpu_blocks = min(hit_blocks, lookup.cpu_hits)
+            disk_blocks = min(hit_blocks - cpu_blocks, lookup.disk_hits)
+            remote_blocks = hit_blocks - cpu_blocks - disk_blocks
+            disk_keys = lookup.rest[:disk_blocks]
+            fetch_keys = lookup.rest[disk_blocks:hit_blocks - cpu_blocks]
+            # Blocks read or fetched are past the CPU tier's.
+            group = self.groups[0]
+            keys = self._keys(group, [block_hashes[i]
+                                      for i in self._needed(group, start, start + cpu_blocks)])
+            destination = [tables[0][i] for i in self._needed(group, start, start + hit_blocks)]
+        else:
+            keys, disk_keys, destination, disk_blocks = self._group_load(
+                block_hashes, tables, start, hit_blocks)
+            cpu_blocks, remote_blocks, fetch_keys = hit_blocks - disk_blocks, 0, []
+        self._counters.disk_hit_tokens += disk_blocks * self.block_size
+        self._counters.remote_hit_tokens += remote_blocks * self.block_size
         plan = self.index.prepare_load(keys)
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, disk_keys, fetch_keys = [], [], []
@@ -191,6 +214,26 @@ class LoadPlanner:
                                             tuple(disk_slots), self.index.segment,
                                             tuple(keys) if sums else (), sums))
         return cpu_blocks, disk_blocks, remote_blocks
+
+    def _group_load(self, block_hashes: Sequence[bytes], tables: Sequence[Sequence[int]],
+                    start: int, hit_blocks: int) -> tuple[list[bytes], list[bytes], list[int],
+                                                          int]:
+        """Several groups: (keys loaded from the pool, keys read from disk, their destination
+        blocks in that order, positions with a block read from disk) for a prefix of
+        `hit_blocks` blocks from `start`. A key gone from the pool since the lookup (a shared
+        pool's, evicted by another engine) stays among the pool's: its load fails."""
+        pairs = []  # (key, destination, position) of every block a group needs
+        for group, table in zip(self.groups, tables, strict=True):
+            positions = self._needed(group, start, start + hit_blocks)
+            pairs += zip(self._keys(group, [block_hashes[i] for i in positions]),
+                         [table[i] for i in positions], positions, strict=True)
+        pooled = self.index.present([key for key, _, _ in pairs])
+        on_disk = [not ok and self.disk is not None and self.disk.index.contains(pair[0])
+                   for pair, ok in zip(pairs, pooled, strict=True)]
+        kept = [pair for pair, disk in zip(pairs, on_disk, strict=True) if not disk]
+        read = [pair for pair, disk in zip(pairs, on_disk, strict=True) if disk]
+        return ([key for key, _, _ in kept], [key for key, _, _ in read],
+                [block for _, block, _ in kept + read], len({i for _, _, i in read}))
 
     def _spill_evicted(self, plan: StorePlan) -> None:
         """Write-back: blocks the pool evicts go to disk before their slots are written again."""

@@ -75,9 +75,10 @@ class OffloadScheduler(LoadPlanner):
                 raise ValueError(f"a sliding window is a positive int, got {group.window!r}")
             if group.state and group.window is not None:
                 raise ValueError(f"a state group has no window, got {group!r}")
-        if len(groups) > 1 and (remote or remote_only or disk is not None or index is not None):
-            raise ValueError("a remote, disk or shared pool tier with several KV cache groups "
-                             "is not supported")
+        if len(groups) > 1 and (remote or remote_only):
+            # The store answers a lookup with a count of leading keys; a state group keeps
+            # states only where steps ended, so several groups need an answer per key.
+            raise ValueError("a remote store with several KV cache groups is not supported")
         self.groups = tuple(groups)
         self.null_block = null_block  # the engine's placeholder for a freed block (vLLM: 0)
         self._windowed: set[int] = set()  # store jobs with a `leaves_at`
