@@ -117,6 +117,36 @@ def test_two_hybrid_engines_sharing_a_pool_share_every_group_bit_exact(
     assert pool_stats(pool.name)["pinned"] == pool_stats(pool.name)["storing"] == 0
 
 
+def test_a_state_block_evicted_between_a_hybrid_lookup_and_its_load_is_recomputed(
+        model_dir: str, pool: PoolProcess) -> None:
+    # The daemon answered the lookup for every group's blocks; another engine then drops the
+    # state block before the load pins it: the load fails whole and vLLM recomputes, never
+    # reading poison, and the recomputed blocks are stored again.
+    first = make_engine(model_dir, pool.name, state=True)
+    prompt = make_prompt(6, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 2)})
+    second = make_engine(model_dir, pool.name, state=True)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    lookup = core.lookup
+    dropped: list[bytes] = []
+
+    def lookup_then_drop(req_id: str, block_hashes: list[bytes], *args: object) -> int:
+        hits = lookup(req_id, block_hashes, *args)
+        if hits and not dropped:
+            (state,) = [g for g in core.groups if g.state]
+            dropped.extend(core._keys(state, [block_hashes[hits // BS - 1]]))
+            first.connector._scheduler.index.discard(dropped)
+        return hits
+
+    core.lookup = lookup_then_drop
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert dropped
+    assert all(w.starts["b"] == [0] for w in second.workers)  # recomputed whole
+    assert h.total_stats(second).data["failed_loads"] == 1
+    assert first.connector._scheduler.index.present(dropped) == [True]  # stored again
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
 def test_daemon_killed_between_lookup_and_load_recomputes_then_reconnects(
         model_dir: str, pool: PoolProcess, async_scheduling: bool) -> None:
