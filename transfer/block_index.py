@@ -147,6 +147,10 @@ class BlockIndex:
         entry = self._entries.get(self._checked(key))
         return entry is not None and not entry.storing
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for each of `keys` (a shared pool's index answers in one round trip)."""
+        return [self.contains(key) for key in keys]
+
     def held_keys(self) -> list[bytes]:
         """Keys stored or being stored (draining keys excluded)."""
         return list(self._entries)

@@ -26,8 +26,10 @@ align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, 
 0.33. `SupportsHMA`: vLLM keeps its hybrid KV cache manager on. Its groups share one block pool
 and one set of buffers, so a host slot holds one physical block whichever group owns it (a
 state group's bytes lie over the attention pages, which are what the worker copies); a group's
-keys carry its index. Chunked local attention groups, RSWA, and a remote, disk or shared pool
-tier with several groups are refused (ValueError at start).
+keys carry its index; the disk tier and a shared pool serve them too. Chunked local attention
+groups, RSWA, and a remote store with several groups are refused (ValueError at start): the
+store answers a lookup with a count of leading keys, and a state group's blocks are kept only
+where steps ended.
 """
 
 from __future__ import annotations

@@ -61,6 +61,8 @@ def plan_tiers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         raise ValueError(f"cpu_bytes {options.cpu_bytes} holds no block of {slot_bytes} B")
     remote = options.remote()
     if remote is not None and len(groups) > 1:
+        # The store answers a lookup with a count of leading keys; a state group keeps states
+        # only where steps ended, so several groups need an answer per key.
         raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
                          f"(one group only)")
     cached = cache_groups(kv_cache_config)
@@ -71,17 +73,11 @@ def plan_tiers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     disk = options.disk()
     num_disk_slots = 0
     if disk is not None:
-        if len(groups) > 1:
-            raise ValueError(f"disk_path with {len(groups)} KV cache groups is not "
-                             f"supported (one group only)")
         num_disk_slots = disk.num_slots(slot_bytes)
         if num_disk_slots == 0:
             raise ValueError(f"disk_bytes {disk.num_bytes} holds no block of "
                              f"{slot_bytes} B (and its 4 KiB footer)")
     if options.pool:
-        if len(groups) > 1:
-            raise ValueError(f"pool with {len(groups)} KV cache groups is not supported "
-                             f"(one group only)")
         # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
         # with other PP sizes place ranks differently, so they get keys of their own.
         namespace = dataclasses.replace(

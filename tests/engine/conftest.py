@@ -4,12 +4,14 @@
 session. `vllm_cache_root` (autouse): vLLM writes its caches under a temporary VLLM_CACHE_ROOT,
 never ~/.cache/vllm, and nothing is fetched from a hub (HF_HUB_OFFLINE=1). `store`: a
 `kvconnector store serve` process on loopback for the module, stopped after it.
+`finished_hashes`: the block hashes of each request of the module's `llm` as it finishes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -43,3 +45,20 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     log = tmp_path_factory.mktemp("store") / "store.log"
     with StoreProcess(log, capacity="64MiB") as process:
         yield process
+
+
+@pytest.fixture
+def finished_hashes(llm: Any, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+    """The block hashes of each request as it finishes (to find its slots in the index)."""
+    from engine_support import scheduler_connector
+
+    connector = scheduler_connector(llm)
+    seen: list[list[bytes]] = []
+    finish = connector.request_finished_all_groups
+
+    def spy(request: Any, block_ids: Any) -> Any:
+        seen.append(list(request.block_hashes))
+        return finish(request, block_ids)
+
+    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
+    return seen

@@ -8,7 +8,7 @@ nothing. Each leaves every tier empty (`forget_everything`) for the next check.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine_support import (
     BLOCK_SIZE,
@@ -19,6 +19,7 @@ from engine_support import (
     counters,
     forget_everything,
     generate,
+    scheduler_connector,
     settle,
 )
 from tiny_llama import prompt_ids
@@ -131,3 +132,21 @@ def check_extending_a_stored_prefix(llm: LLM, seed: int, tensor_parallel_size: i
     expect_loaded(gained, extended, 192, loaded_bytes(192, tensor_parallel_size))
     # the longer prompt's own 9 full blocks are now stored: the control reloads all of them
     expect_corruption_seen(llm, longer, computed, 288)
+
+
+def _zero_slots(worker: Any, slots: list[int]) -> int:  # runs on each worker
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    pool = get_kv_transfer_group()._worker.pool.slots
+    pool[slots] = 0
+    return len(slots)
+
+
+def zero_state_slot(llm: LLM, block_hashes: list[bytes], position: int) -> None:
+    """Zero, on every worker, the pool slot holding the state group's block at `position` of a
+    request (its block hashes: the `finished_hashes` fixture's), the attention blocks intact."""
+    core = scheduler_connector(llm)._core()
+    (group,) = [g for g in core.groups if g.state]
+    (key,) = core._keys(group, [block_hashes[position]])
+    workers = len(llm.collective_rpc(_zero_slots, args=([core.index.slot_of(key)],)))
+    assert workers > 0

@@ -12,10 +12,15 @@ One engine.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-from engine_checks import compute_then_reload, expect_corruption_seen, expect_loaded
+from engine_checks import (
+    compute_then_reload,
+    expect_corruption_seen,
+    expect_loaded,
+    zero_state_slot,
+)
 from engine_support import BLOCK_SIZE, generate, running_llm, scheduler_connector, settle
 from tiny_llama import HEAD_SIZE, NUM_KV_HEADS, prompt_ids
 
@@ -35,37 +40,6 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     model = write_tiny_lfm2(tmp_path_factory.mktemp("tiny-lfm2-weights"))
     with running_llm(model, {"cpu_bytes": 512 * SLOT_BYTES}) as engine:
         yield engine
-
-
-@pytest.fixture
-def finished_hashes(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
-    """The block hashes of each request as it finishes (to find its slots in the index)."""
-    connector = scheduler_connector(llm)
-    seen: list[list[bytes]] = []
-    finish = connector.request_finished_all_groups
-
-    def spy(request: Any, block_ids: Any) -> Any:
-        seen.append(list(request.block_hashes))
-        return finish(request, block_ids)
-
-    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
-    return seen
-
-
-def _zero_slots(worker: Any, slots: list[int]) -> int:  # runs on each worker
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    pool = get_kv_transfer_group()._worker.pool.slots
-    pool[slots] = 0
-    return len(slots)
-
-
-def _state_slot(llm: LLM, block_hashes: list[bytes], position: int) -> int:
-    """The pool slot holding the state group's block at `position` of a request."""
-    core = scheduler_connector(llm)._core()
-    (group,) = [g for g in core.groups if g.state]
-    (key,) = core._keys(group, [block_hashes[position]])
-    return core.index.slot_of(key)
 
 
 def test_the_hybrid_manager_stays_on_with_a_state_group(llm: LLM) -> None:
@@ -92,8 +66,7 @@ def test_a_reload_restores_the_attention_blocks_and_the_state(
     expect_loaded(gained, again, loaded, (blocks + 1) * SLOT_BYTES)
     # negative control 1: only the state's slot zeroed (the attention blocks intact)
     settle(llm)
-    slot = _state_slot(llm, finished_hashes[0], blocks - 1)
-    assert llm.collective_rpc(_zero_slots, args=([slot],)) == [1]
+    zero_state_slot(llm, finished_hashes[0], blocks - 1)
     corrupted = generate(llm, prompt)
     assert corrupted.num_cached_tokens == loaded, corrupted
     assert corrupted.logprobs != first.logprobs, "a zeroed state changed no logprob"

@@ -1,10 +1,12 @@
-"""The scheduler core with several KV cache groups (vLLM's hybrid manager): full attention and
-sliding window groups sharing one block pool, keys per group, prefixes bounded by every group."""
+"""The scheduler core with several KV cache groups (vLLM's hybrid manager): full attention,
+sliding window and state groups sharing one block pool, keys per group, prefixes bounded by every
+group, from the pool and the disk tier together."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import JobReport
 from kvconnector.offload.scheduler import OffloadScheduler
@@ -134,7 +136,7 @@ def test_bad_group_configurations_are_refused_by_name() -> None:
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"x"), CacheGroup(b"x", window=4)))
     with pytest.raises(ValueError, match="sliding window is a positive int, got 0"):
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"a"), CacheGroup(b"b", window=0)))
-    with pytest.raises(ValueError, match="remote, disk or shared pool tier with several KV"):
+    with pytest.raises(ValueError, match="remote store with several KV cache groups"):
         OffloadScheduler(NS, 4, BS, 1, groups=GROUPS, remote=True)
     with pytest.raises(ValueError, match="1 block tables for 2 KV cache groups"):
         make().plan_stores("a", hashes("a", 1), [5], BS)
@@ -167,3 +169,32 @@ def test_a_state_group_needs_its_block_at_the_prefix_end_only() -> None:
     with pytest.raises(ValueError, match="a state group has no window"):
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"a", window=4, state=True),
                                                CacheGroup(b"b")))
+
+
+def test_several_groups_load_from_the_pool_and_the_disk_together() -> None:
+    # A state group and a full attention group, some blocks in the pool, the rest on disk (a
+    # restarted engine's slab, found again): every block a group needs from either tier.
+    groups = (CacheGroup(b"\x00", state=True), CacheGroup(b"\x01"))
+    hs = hashes("d", 5)
+    keys = OffloadScheduler(NS, 4, BS, 1, groups=groups)._keys
+    state_keys, full_keys = keys(groups[0], hs), keys(groups[1], hs)
+    on_disk = {full_keys[2]: 0, full_keys[3]: 1, state_keys[3]: 2, state_keys[1]: 3}
+    core = OffloadScheduler(NS, 8, BS, 1, groups=groups, null_block=NULL,
+                            disk=DiskPlanner(NS, 8, "lru", "evict", 1, on_disk))
+    core.plan_stores("a", hs[:2], [[NULL, NULL], [1, 2]], 2 * BS)
+    complete_step(core)  # full blocks 0 and 1 in the pool
+    assert core.lookup("b", hs, 0, 5 * BS + 1) == 4 * BS  # state 3: disk; full 0-1 pool, 2-3 disk
+    assert core.plan_load("b", hs, [[40, 41, 42, 43, 44], [50, 51, 52, 53, 54]],
+                          4 * BS) == (2, 2, 0)  # positions 2 and 3 read from disk
+    (load,) = core.build_step().loads
+    assert load.block_ids == (50, 51, 43, 52, 53)  # the pool's, then the disk's
+    assert set(load.disk_keys) == {state_keys[3], full_keys[2], full_keys[3]}
+    assert sorted(load.disk_slots) == [0, 1, 2]
+    assert len(load.slots) == 5 and not load.fail
+    # a pool of 4 slots, 2 pinned by the load, has room to read 2 blocks, not 3: the prefix
+    # of 4 is no hit; nor 3 (no state after block 2); 2 is (the state after block 1 read)
+    small = OffloadScheduler(NS, 4, BS, 1, groups=groups, null_block=NULL,
+                             disk=DiskPlanner(NS, 8, "lru", "evict", 1, on_disk))
+    small.plan_stores("a", hs[:2], [[NULL, NULL], [1, 2]], 2 * BS)
+    complete_step(small)
+    assert small.lookup("b", hs, 0, 5 * BS + 1) == 2 * BS

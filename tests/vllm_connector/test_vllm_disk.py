@@ -5,7 +5,8 @@ A pool too small for two prompts sends the evicted blocks to disk and serves the
 engine on the same directory (a restart) finds every rank's blocks and loads as many as its
 pool holds; a block flipped on disk is caught by its checksum and recomputed. With remote_only
 (the pool only stages blocks for a real store process) the disk, written through, is the local
-tier in front of the store.
+tier in front of the store. With vLLM's hybrid manager on (full attention with a sliding window
+or an align-mode state group) a restarted engine reads every group's blocks from disk.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ BS = h.BLOCK_SIZE
 
 def make_engine(model_dir: str, disk: Path, cpu_slots: int, write_policy: str,
                 async_scheduling: bool = False, tp: int = 1, pp: int = 1,
-                mla: bool = False, **extra: object) -> h.Engine:
-    # A slot holds the largest stage's layers, as the connector sizes it.
-    slot = round_up(max(map(len, h.stage_layers(pp))) * h.page_bytes(tp, mla), HOST_ALIGNMENT)
+                mla: bool = False, window: int | None = None, state: bool = False,
+                **extra: object) -> h.Engine:
+    # A slot holds the largest stage's layers (hybrid: of one of the two groups sharing the
+    # tensors), as the connector sizes it.
+    layers = max(map(len, h.stage_layers(pp))) // (2 if window or state else 1)
+    slot = round_up(layers * h.page_bytes(tp, mla), HOST_ALIGNMENT)
     config = {"cpu_bytes": cpu_slots * slot, "disk_path": str(disk),
               "disk_bytes": 64 * (slot + 4096), "disk_write_policy": write_policy, **extra}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp, mla=mla,
-                                  extra_config=config))
+                                  sliding_window=window, state=state, extra_config=config))
 
 
 def hit_sources(engine: h.Engine, req_id: str, prompt: list[int], max_tokens: int,
@@ -92,6 +96,37 @@ def test_a_restarted_engine_with_a_small_pool_loads_its_blocks_from_disk(
     for worker in second.workers:
         assert worker.starts["b"] == [4 * BS] and worker.prefix_checks >= 4 * BS
     assert total_stats(second).data["disk_hit_tokens"] == 4 * BS
+
+
+@pytest.mark.parametrize(("window", "state", "async_scheduling", "tp", "on_disk"), [
+    # 6 full and 6 sliding window blocks stored (one prefill step); a reload reads the 6 full
+    # and the 3 sliding ones inside the window before its end
+    pytest.param(40, False, False, 1, 12, id="sliding-window-Scheduler-tp1"),
+    # 6 full blocks and the state after 96 tokens (vLLM's align mode ends a chunk there)
+    pytest.param(None, True, True, 2, 7, id="state-AsyncScheduler-tp2")])
+def test_a_restarted_hybrid_engine_loads_every_group_from_disk(
+        model_dir: str, tmp_path: Path, window: int | None, state: bool, async_scheduling: bool,
+        tp: int, on_disk: int) -> None:
+    # vLLM's hybrid manager on: each group's blocks under its own keys in the slab, found
+    # again by a restarted engine and read into the pool for every group that needs them.
+    first = make_engine(model_dir, tmp_path / "disk", 16, "through", async_scheduling, tp,
+                        window=window, state=state)
+    prompt = make_prompt(4, 6 * BS + 7)
+    run_to_completion(first, {"a": (prompt, 3)})
+    h.Engine.shutdown_all()
+    second = make_engine(model_dir, tmp_path / "disk", 16, "through", async_scheduling, tp,
+                         window=window, state=state)
+    assert len(second.kv_cache_config.kv_cache_groups) == 2
+    assert len(second.connector._scheduler.disk.index) == on_disk
+    poison_gpu(second)
+    assert hit_sources(second, "b", prompt, 3, 6 * BS) == {"disk": 6 * BS}
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [6 * BS] and worker.prefix_checks >= 6 * BS
+    stats = total_stats(second).data
+    assert (stats["disk_hit_tokens"], stats["disk_failed_reads"]) == (6 * BS, 0)
+    reads = h.reload_blocks(second, 6)  # 6 + 3 sliding, or 6 + 1 state
+    assert stats["disk_read_bytes"] == reads * tp * h.block_bytes(tp) // 2
 
 
 def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ Scheduler and AsyncScheduler (tests/vllm_connector/vllm_harness.py), against a r
 Two engines naming one pool share a prefix bit-exact (the harness compares every byte a request
 starts from, after poisoning the caches); a daemon killed between a lookup and its load makes
 the load fail and vLLM recompute, and the engines carry on with a restarted daemon; the remote
-store composes below the pool.
+store composes below the pool; with vLLM's hybrid manager on (full attention with a sliding
+window or an align-mode state group) two engines share every group's blocks.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def pool(tmp_path: Path) -> Iterator[PoolProcess]:
 
 
 def make_engine(model_dir: str, pool: str, async_scheduling: bool = False, tp: int = 1,
-                pp: int = 1, **extra: object) -> h.Engine:
+                pp: int = 1, window: int | None = None, state: bool = False,
+                **extra: object) -> h.Engine:
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
                                   tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                  num_gpu_blocks=64, extra_config={"pool": pool, **extra}))
+                                  num_gpu_blocks=64, sliding_window=window, state=state,
+                                  extra_config={"pool": pool, **extra}))
 
 
 def pool_stats(name: str) -> dict:
@@ -83,6 +86,65 @@ def test_two_engines_sharing_a_pool_share_a_prefix_bit_exact(
     run_to_completion(restarted, {"c": (prompt, 2)})
     assert all(w.starts["c"] == [4 * BS] for w in restarted.workers)
     assert pool_stats(pool.name)["pinned"] == pool_stats(pool.name)["storing"] == 0
+
+
+@pytest.mark.parametrize(("window", "state", "async_scheduling", "tp", "stored", "loaded"), [
+    # 4 full and 4 sliding window blocks stored; a load takes the 4 full and the 3 sliding ones
+    # inside the window (40 tokens) before the prefix end
+    pytest.param(40, False, False, 1, 8, 7, id="sliding-window-Scheduler-tp1"),
+    # 4 full blocks and the state after 64 tokens (vLLM's align mode ends a chunk there)
+    pytest.param(None, True, True, 2, 5, 5, id="state-AsyncScheduler-tp2")])
+def test_two_hybrid_engines_sharing_a_pool_share_every_group_bit_exact(
+        model_dir: str, pool: PoolProcess, window: int | None, state: bool,
+        async_scheduling: bool, tp: int, stored: int, loaded: int) -> None:
+    # vLLM's hybrid manager on: each group's blocks under its own keys in the pool; the second
+    # engine's lookup asks the daemon about every group's blocks at once.
+    first = make_engine(model_dir, pool.name, async_scheduling, tp, window=window, state=state)
+    prompt = make_prompt(5, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 3)})
+    assert pool_stats(pool.name)["stored"] == stored
+    second = make_engine(model_dir, pool.name, async_scheduling, tp, window=window, state=state)
+    assert len(second.kv_cache_config.kv_cache_groups) == 2
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 3)})
+    for worker in second.workers:
+        assert worker.starts["b"] == [4 * BS] and worker.prefix_checks == 4 * BS
+    stats = h.total_stats(second).data
+    assert (stats["hit_tokens"], stats["failed_loads"], stats["checksum_failures"]) == \
+        (4 * BS, 0, 0)
+    block_bytes = sum(w.connector._worker.block_bytes for w in second.workers)
+    assert stats["load_bytes"] == loaded * block_bytes
+    assert pool_stats(pool.name)["pinned"] == pool_stats(pool.name)["storing"] == 0
+
+
+def test_a_state_block_evicted_between_a_hybrid_lookup_and_its_load_is_recomputed(
+        model_dir: str, pool: PoolProcess) -> None:
+    # The daemon answered the lookup for every group's blocks; another engine then drops the
+    # state block before the load pins it: the load fails whole and vLLM recomputes, never
+    # reading poison, and the recomputed blocks are stored again.
+    first = make_engine(model_dir, pool.name, state=True)
+    prompt = make_prompt(6, 4 * BS + 6)
+    run_to_completion(first, {"a": (prompt, 2)})
+    second = make_engine(model_dir, pool.name, state=True)
+    poison_gpu(second)
+    core = second.connector._scheduler
+    lookup = core.lookup
+    dropped: list[bytes] = []
+
+    def lookup_then_drop(req_id: str, block_hashes: list[bytes], *args: object) -> int:
+        hits = lookup(req_id, block_hashes, *args)
+        if hits and not dropped:
+            (state,) = [g for g in core.groups if g.state]
+            dropped.extend(core._keys(state, [block_hashes[hits // BS - 1]]))
+            first.connector._scheduler.index.discard(dropped)
+        return hits
+
+    core.lookup = lookup_then_drop
+    run_to_completion(second, {"b": (prompt, 2)})
+    assert dropped
+    assert all(w.starts["b"] == [0] for w in second.workers)  # recomputed whole
+    assert h.total_stats(second).data["failed_loads"] == 1
+    assert first.connector._scheduler.index.present(dropped) == [True]  # stored again
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])

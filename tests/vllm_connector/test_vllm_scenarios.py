@@ -10,9 +10,11 @@ return only connector output, merged at the last stage's rank as vLLM's executor
 speculative decoding (vLLM's n-gram config, the harness's drafts: 3 a step, some rejected, whose
 KV stays in the cache until a later step rewrites it; under AsyncScheduler the workers draft);
 with MLA caches (vLLM's MLA specs, one latent head a rank, TRITON_MLA the configured backend);
-and on vLLM 0.33 in a speculator's step order (transfer results taken before the stores, a
-drafter layer written in between). When a request (re)starts with computed tokens, its first
-forward compares every byte of them with what the fake model writes there
+on vLLM 0.33 in a speculator's step order (transfer results taken before the stores, a
+drafter layer written in between); and with vLLM's hybrid manager on, full attention with a
+sliding window group or an align-mode state group (VARIANTS: vllm_variants.py; the scenarios
+of one group type: test_vllm_hybrid_scenarios.py). When a request (re)starts with computed
+tokens, its first forward compares every byte of them with what the fake model writes there
 (vllm_connector/vllm_fake_worker.py); the GPU caches are poisoned before loads.
 """
 
@@ -27,9 +29,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
-from vllm import __version__ as VLLM_VERSION  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
-from vllm_fake_worker import DEFERS_FINALIZE, chain, kv_rows  # noqa: E402
+from vllm_fake_worker import chain, kv_rows  # noqa: E402
 from vllm_harness import (  # noqa: E402
     make_engine,
     make_prompt,
@@ -38,69 +39,16 @@ from vllm_harness import (  # noqa: E402
     stored_tokens,
     total_stats,
 )
+from vllm_variants import VARIANTS, skip_one_group_pool, use_variant  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
 BS = h.BLOCK_SIZE
-NEEDS_DEFERRED_FINALIZE = pytest.mark.skipif(
-    not DEFERS_FINALIZE, reason="a speculator's step order needs vLLM 0.33's driver")
 V = h.Variant
-WINDOW = 40
-VARIANTS = [
-    pytest.param(V("BLNHC"), id="block-major-Scheduler"),
-    pytest.param(V("BLNHC", async_scheduling=True), id="block-major-AsyncScheduler"),
-    pytest.param(V("LBNHC"), id="per-layer-Scheduler"),
-    pytest.param(V("LBNHC", async_scheduling=True), id="per-layer-AsyncScheduler"),
-    pytest.param(V("BLNHC", tp=2), id="tp2-Scheduler"),
-    pytest.param(V("BLNHC", tp=2, async_scheduling=True), id="tp2-AsyncScheduler"),
-    pytest.param(V("BLNHC", pp=2), id="pp2-Scheduler"),
-    # (vLLM's config refuses PP with async scheduling under Model Runner V1)
-    pytest.param(V("BLNHC", tp=2, pp=2), id="tp2-pp2-Scheduler"),
-    # speculative decoding: 3 drafts a step, some rejected (their KV written, then rewritten)
-    pytest.param(V("BLNHC", drafts=3), id="drafts-Scheduler"),
-    pytest.param(V("LBNHC", tp=2, drafts=3), id="drafts-per-layer-tp2-Scheduler"),
-    # (AsyncScheduler: vLLM's n-gram GPU config; the workers draft, the scheduler holds
-    # placeholders and counts them accepted until the step's output says otherwise)
-    pytest.param(V("BLNHC", tp=2, async_scheduling=True, drafts=3),
-                 id="drafts-tp2-AsyncScheduler", marks=pytest.mark.skipif(
-                     VLLM_VERSION.startswith("0.33"),
-                     reason="the harness does not follow vLLM 0.33 resuming a preempted request "
-                            "whose drafted step was in flight (its tokens diverge)")),
-    pytest.param(V("BLNHC", speculator=True, drafts=3), id="speculator-drafts-Scheduler",
-                 marks=NEEDS_DEFERRED_FINALIZE),
-    pytest.param(V("BLNHC", tp=2, async_scheduling=True, speculator=True),
-                 id="speculator-tp2-AsyncScheduler", marks=NEEDS_DEFERRED_FINALIZE),
-    # MLA: vLLM's MLA cache specs, one latent head a rank, TRITON_MLA configured
-    pytest.param(V("BLNHC", mla=True), id="mla-Scheduler"),
-    pytest.param(V("LBNHC", tp=2, async_scheduling=True, mla=True),
-                 id="mla-per-layer-tp2-AsyncScheduler"),
-    # hybrid: vLLM's hybrid manager on, a full attention and a sliding window group (window
-    # of 40 tokens: a reload keeps 3 of the sliding group's blocks before its end)
-    pytest.param(V("BLNHC", window=WINDOW), id="hybrid-Scheduler"),
-    pytest.param(V("BLNHC", async_scheduling=True, window=WINDOW), id="hybrid-AsyncScheduler"),
-    pytest.param(V("LBNHC", tp=2, window=WINDOW), id="hybrid-per-layer-tp2-Scheduler"),
-    pytest.param(V("BLNHC", tp=2, async_scheduling=True, window=WINDOW),
-                 id="hybrid-tp2-AsyncScheduler"),
-    pytest.param(V("BLNHC", drafts=3, window=WINDOW), id="hybrid-drafts-Scheduler"),
-]
-
-
-def skip_one_group_pool(variant: h.Variant) -> None:
-    """Scenarios that hold a store in flight while a pool counted for one KV cache group fills
-    up: no hybrid count yet (two groups draw from one pool), and with a sliding window group
-    the held store reads blocks vLLM frees as they leave the window, so the connector rightly
-    waits for it before the next forward (flush_windows) and the held copy would stall it."""
-    if variant.window is not None:
-        pytest.skip("holds a store of sliding window blocks across steps; pool counted for "
-                    "one KV cache group")
-
 
 @pytest.fixture(params=VARIANTS)
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> h.Variant:
-    layout = request.param[0]
-    if layout != "BLNHC":
-        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)  # the engine override wins
-    return request.param
+    return use_variant(request.param, monkeypatch)
 
 
 # -- the acceptance scenarios, in every variant ------------------------------------------------
@@ -124,8 +72,10 @@ def test_identical_request_loads_every_stored_byte(model_dir: str, variant: h.Va
     assert (stats.data["hit_tokens"], stats.data["failed_loads"]) == (4 * BS, 0)
     # every rank's bytes of 4 blocks of each group (a sliding window group: its window's)
     assert stats.data["load_bytes"] == h.reload_blocks(engine, 4) * block_bytes
-    groups = len(engine.kv_cache_config.kv_cache_groups)  # stored in one step: none freed yet
-    assert stats.data["store_bytes"] == 4 * groups * block_bytes
+    # stored in one step, none freed yet; a state group's prefill step keeps one block, at
+    # its end (the others are its null block)
+    stored = sum(1 if group.state else 4 for group in engine.connector._scheduler.groups)
+    assert stats.data["store_bytes"] == stored * block_bytes
 
 
 def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
@@ -138,8 +88,10 @@ def test_request_sharing_a_prefix_gets_exactly_that_prefix(model_dir: str,
     shares_two = prompt[:2 * BS + 5] + make_prompt(3, 2 * BS)
     shares_none = [prompt[0] + 1] + prompt[1:]
     run_to_completion(engine, {"c": (shares_two, 2), "d": (shares_none, 2)})
+    # A state group keeps the states where a's steps ended (64 tokens, then decode), none after
+    # 32: vLLM's own prefix cache could not resume c there either.
     for worker in engine.workers:
-        assert worker.starts["c"] == [2 * BS]
+        assert worker.starts["c"] == [0 if variant.state else 2 * BS]
         assert worker.starts["d"] == [0]
 
 
@@ -427,43 +379,3 @@ def test_small_pool_many_requests_leaks_nothing(model_dir: str, variant: h.Varia
     assert stats.data["hit_tokens"] > 0 and stats.data["evictions"] > 0
     assert stats.data["failed_loads"] == stats.data["failed_stores"] == 0
     assert sum(len(w.starts) for w in engine.workers) == len(engine.workers) * 32
-
-
-
-
-@pytest.mark.parametrize("variant", [p for p in VARIANTS if "hybrid" in p.id], indirect=True)
-def test_a_store_of_sliding_blocks_ends_before_vllm_frees_them(model_dir: str,
-                                                                variant: h.Variant) -> None:
-    # a's prompt store (job 0) is held on the copy thread; once a has computed past the window
-    # of its first sliding block, vLLM frees that block and may hand it out in the same step:
-    # that step's flush releases the held copy and must wait for it.
-    gates = [h.HeldGate(hold={0: threading.Event()}) for _ in range(variant.ranks)]
-    engine = make_engine(model_dir, variant, gates=gates)
-    flushes: list[tuple[int, bool]] = []  # (rank, store 0 still in flight) per flush of it
-    for worker in engine.workers:
-        core = worker.connector._worker
-        original = core.flush
-
-        def flush(step, core=core, original=original, rank=worker.rank):
-            if 0 in step.flush:
-                flushes.append((rank, not core.engine.wait([0], timeout=0)))
-                gates[rank].hold[0].set()  # the copy may run now; flush must wait for it
-            original(step)
-            if 0 in step.flush:
-                assert core.engine.wait([0], timeout=0), "flush returned before the store ended"
-
-        core.flush = flush
-    prompt = make_prompt(31, 4 * BS + 6)
-    engine.drain_when_idle = False  # the held copy would block a quiet step's drain
-    engine.add("a", prompt, max_tokens=4)
-    engine.step()
-    job = engine.connector._scheduler._jobs[0]
-    assert (job.req_id, job.is_store, len(job.keys)) == ("a", True, 8)  # 4 blocks, 2 groups
-    engine.run(until=lambda: bool(flushes), max_steps=100)
-    engine.drain_when_idle = True
-    run_to_completion(engine, {"a": (prompt, 4)})
-    assert flushes == [(w.rank, True) for w in engine.workers]
-    assert engine.scheduler.reset_prefix_cache()
-    poison_gpu(engine)
-    run_to_completion(engine, {"b": (prompt, 4)})
-    assert all(w.starts["b"] == [4 * BS] for w in engine.workers)  # the held copy's bytes

@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -40,6 +41,7 @@ from vllm_fake_worker import (  # noqa: E402
     NUM_LAYERS,
 )
 
+STATE_ROWS = 3  # a state of (3, n) bf16, as a short convolution's (kernel - 1, channels)
 MLA_HEAD_SIZE = 48  # latent + rope, DeepSeek's 512 + 64 scaled down
 ALL_LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]  # vLLM's default order
 
@@ -89,6 +91,10 @@ class EngineSetup:
     # Hybrid: the odd layers are sliding window attention over this many tokens (vLLM's
     # SlidingWindowSpec), kept in a KV cache group of their own by vLLM's hybrid manager.
     sliding_window: int | None = None
+    # Hybrid: the odd layers keep a state (vLLM's MambaSpec in "align" cache mode, as LFM2's
+    # short convolutions: one state page a block, padded to the attention page), in a KV cache
+    # group of their own.
+    state: bool = False
     connector: str = "CrossLayerOffloadConnector"
     module_path: str = "kvconnector.vllm"
 
@@ -124,7 +130,9 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
                                          if setup.mla else AttentionBackendEnum.TRITON_ATTN),
         speculative_config=speculative,
         device_config=DeviceConfig("cpu"))
-    if setup.sliding_window is not None:
+    if setup.state:
+        config.cache_config.mamba_cache_mode = "align"  # a state per block boundary
+    if setup.sliding_window is not None or setup.state:
         # This CUDA wheel on a CPU machine sees no platform, which turns the hybrid manager off
         # by itself; a CUDA machine or vLLM's CPU build keeps it on for a SupportsHMA connector.
         config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -132,7 +140,16 @@ def make_vllm_config(setup: EngineSetup) -> VllmConfig:
 
 
 def layer_specs(tp_size: int, layers: range = range(NUM_LAYERS), mla: bool = False,
-                sliding_window: int | None = None) -> dict[str, KVCacheSpec]:
+                sliding_window: int | None = None, state: bool = False
+                ) -> dict[str, KVCacheSpec]:
+    if state:  # odd layers keep a state: a page's bytes less some padding
+        full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size,
+                                 head_size=HEAD_SIZE, dtype=DTYPE)
+        page = full.page_size_bytes
+        return {f"model.layers.{i}.self_attn.attn": MambaSpec(
+            block_size=BLOCK_SIZE, shapes=((STATE_ROWS, (page - 64) // (2 * STATE_ROWS)),),
+            dtypes=(DTYPE,), page_size_padded=page, mamba_cache_mode="align")
+            if i % 2 else full for i in layers}
     if sliding_window is not None:  # odd layers slide
         return {f"model.layers.{i}.self_attn.attn": SlidingWindowSpec(
             block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS // tp_size, head_size=HEAD_SIZE,
@@ -164,6 +181,7 @@ class Variant(NamedTuple):
     drafts: int = 0  # EngineSetup.num_speculative_tokens
     mla: bool = False  # EngineSetup.mla
     window: int | None = None  # EngineSetup.sliding_window
+    state: bool = False  # EngineSetup.state
 
     @property
     def ranks(self) -> int:

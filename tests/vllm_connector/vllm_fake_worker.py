@@ -26,7 +26,12 @@ from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    KVCacheConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
@@ -139,6 +144,11 @@ class Worker:
         self.windows = [g.kv_cache_spec.sliding_window
                         if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None
                         for g in kv_cache_config.kv_cache_groups]
+        # A state group's layers (align mode) keep, in the block of position p, the state after
+        # p: a state content's bytes (the page's padding is never written).
+        self.state_bytes = [g.kv_cache_spec.state_content_size_bytes
+                            if isinstance(g.kv_cache_spec, MambaSpec) else None
+                            for g in kv_cache_config.kv_cache_groups]
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector  # what the driver looks up
         try:
             self.driver = ActiveKVConnector(self.vllm_config, self.caches)  # registers the caches
@@ -266,6 +276,8 @@ class Worker:
             hashes.append(previous)
         positions = torch.arange(start, end)
         for layer in layers:
+            if self.state_bytes[self.group_of[layer]] is not None:
+                continue  # after sampling: a state is kept at accepted positions only
             table = state.block_ids[self.group_of[layer]]
             blocks = torch.tensor(table)[positions // BLOCK_SIZE]
             pages = self.pages(layer)
@@ -273,14 +285,55 @@ class Worker:
                            self.kv_rank, pages.shape[1] * pages.shape[3])
             pages[blocks, :, positions % BLOCK_SIZE, :] = rows.view(len(positions),
                                                                     pages.shape[1], -1)
-        if last_real < self.scheduler_requests[req_id].num_tokens:
-            return []  # a prefill chunk samples nothing
-        sampled = [next_token(state.sequence.hash_at(last_real - 1))]
-        for i, draft in enumerate(drafts):  # greedy verification: drafts kept up to a mismatch
-            if draft != sampled[-1]:
-                break
-            sampled.append(next_token(hashes[last_real - start + i]))
+        sampled: list[int] = []
+        if last_real >= self.scheduler_requests[req_id].num_tokens:  # else a prefill chunk
+            sampled = [next_token(state.sequence.hash_at(last_real - 1))]
+            for i, draft in enumerate(drafts):  # greedy verification: kept up to a mismatch
+                if draft != sampled[-1]:
+                    break
+                sampled.append(next_token(hashes[last_real - start + i]))
+        self._advance_states(req_id, start, last_real + max(len(sampled) - 1, 0), layers)
         return sampled
+
+    def _advance_states(self, req_id: str, start: int, end: int, layers: list[str]) -> None:
+        """A state layer's step over accepted positions [start, end): it reads the state after
+        start - 1 from that position's block (checked: a load or a prefix hit put it there), and
+        keeps the state after each block's last position and after end - 1 in their blocks
+        (where vLLM's align mode gave the request one: a prefill chunk's skipped blocks are its
+        null block, block 0)."""
+        state = self.states[req_id]
+        for layer in layers:
+            group = self.group_of[layer]
+            if self.state_bytes[group] is None:
+                continue
+            table = state.block_ids[group]
+            if start > 0:
+                self._check_state(req_id, layer, start)
+            kept = [p for p in range(start, end)
+                    if (p + 1) % BLOCK_SIZE == 0 or p == end - 1]
+            kept = [p for p in kept if p // BLOCK_SIZE < len(table) and table[p // BLOCK_SIZE]]
+            if kept:
+                rows = self._state_rows(req_id, layer, torch.tensor(kept))
+                self.pages(layer).view(len(self.pages(layer)), -1)[
+                    [table[p // BLOCK_SIZE] for p in kept], :rows.shape[1]] = rows
+
+    def _state_rows(self, req_id: str, layer: str, positions: torch.Tensor) -> torch.Tensor:
+        """(positions, state bytes): the state a state layer keeps after each position."""
+        hashes = torch.stack([torch.tensor(self.states[req_id].sequence.hash_at(int(p)))
+                              for p in positions])
+        return kv_rows(hashes, self.layer_names.index(layer), self.kv_rank,
+                       self.state_bytes[self.group_of[layer]])
+
+    def _check_state(self, req_id: str, layer: str, num_tokens: int) -> None:
+        """The state after position num_tokens - 1 is in that position's block."""
+        table = self.states[req_id].block_ids[self.group_of[layer]]
+        position = num_tokens - 1
+        block = table[position // BLOCK_SIZE]
+        want = self._state_rows(req_id, layer, torch.tensor([position]))[0]
+        got = self.pages(layer).view(len(self.pages(layer)), -1)[block, :len(want)]
+        if block == 0 or not torch.equal(got, want):
+            raise AssertionError(f"rank {self.rank} request {req_id} layer {layer}: block "
+                                 f"{block} does not hold the state after position {position}")
 
     def check_prefix(self, req_id: str, num_tokens: int, layers: list[str] | None = None) -> None:
         """Every byte of positions [0, num_tokens) of `layers` (default: all) that attention at
@@ -292,6 +345,9 @@ class Worker:
         hashes = state.sequence.hashes_between(0, num_tokens)
         for layer in self.layer_names if layers is None else layers:
             group = self.group_of[layer]
+            if self.state_bytes[group] is not None:  # a state: the one after num_tokens - 1
+                self._check_state(req_id, layer, num_tokens)
+                continue
             window = self.windows[group]
             first = 0 if window is None else max(0, num_tokens - window + 1)
             positions = torch.arange(first, num_tokens)

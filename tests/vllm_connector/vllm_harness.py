@@ -85,7 +85,7 @@ class Engine:
         tp, pp = setup.tensor_parallel_size, setup.pipeline_parallel_size
         world = tp * pp
         # A stage's workers hold its layers only; vLLM numbers ranks with TP fastest.
-        stages = [layer_specs(tp, layers, setup.mla, setup.sliding_window)
+        stages = [layer_specs(tp, layers, setup.mla, setup.sliding_window, setup.state)
                   for layers in stage_layers(pp)]
         declared = self.vllm_config.attention_config.backend.get_class() \
             .supported_kv_cache_layouts()
@@ -281,14 +281,14 @@ def make_engine(model_dir: str, variant: Variant, gates: list[HeldGate] | None =
     moves blocks the way the layout calls for."""
     layer_bytes = page_bytes(variant.tp, variant.mla)
     largest_stage = max(map(len, stage_layers(variant.pp)))
-    if variant.window is not None:  # two groups (full, sliding) share each tensor
+    if variant.window is not None or variant.state:  # two groups share each tensor
         largest_stage //= 2
     slot_bytes = round_up(largest_stage * layer_bytes, HOST_ALIGNMENT)  # as the connector sizes
     engine = Engine(EngineSetup(model_dir=model_dir, async_scheduling=variant.async_scheduling,
                                 tensor_parallel_size=variant.tp, pipeline_parallel_size=variant.pp,
                                 speculator=variant.speculator,
                                 num_speculative_tokens=variant.drafts, mla=variant.mla,
-                                sliding_window=variant.window,
+                                sliding_window=variant.window, state=variant.state,
                                 extra_config={"cpu_bytes": cpu_slots * slot_bytes},
                                 **setup), gates=gates)
     assert engine.layout == variant.layout

@@ -226,6 +226,11 @@ class SharedIndex:
         daemon)."""
         return self._call(p.CHECKSUMS, list(keys), default=[None] * len(keys))
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether it is stored and readable now (committed: the daemon keeps a
+        committed block's checksums as long as the block); one round trip."""
+        return [sums is not None for sums in self.checksums(keys)]
+
     def pool_stats(self) -> dict[str, Any] | None:
         """The daemon's counters (None without a daemon); answered after every notice sent
         before it is applied."""
