@@ -437,14 +437,21 @@ class OffloadScheduler:
         return held
 
     def _spill_evicted(self, plan: StorePlan) -> None:
-        """Write-back: blocks the pool evicts go to disk before their slots are written again."""
+        """Write-back: blocks the pool evicts go to disk before their slots are written again
+        (a shared pool's plan may evict other engines' blocks: those are theirs)."""
         if plan.evicted and self.disk is not None and not self.disk.write_through:
-            self._spill(plan.evicted, plan.evicted_slots)
+            own = [(k, s) for k, s in zip(plan.evicted, plan.evicted_slots, strict=True)
+                   if self.namespace.owns(k)]
+            if own:
+                self._spill([k for k, _ in own], [s for _, s in own])
 
-    def _spill(self, keys: list[bytes], slots: list[int], pinned: bool = False) -> set[bytes]:
+    def _spill(self, keys: list[bytes], slots: list[int], pinned: bool = False,
+               sums: list[list[int]] | None = None) -> set[bytes]:
         """Write pool blocks to disk; `pinned`: the keys are pinned in the pool, and those
-        written stay so until done. Returns the keys written."""
-        write: DiskWrite | None = self.disk.spill(self._next_job_id, keys, slots, pinned)
+        written stay so until done; `sums`: their per-rank checksums, where committed with them.
+        Returns the keys written."""
+        write: DiskWrite | None = self.disk.spill(self._next_job_id, keys, slots, pinned,
+                                                  self.index.segment, self.index.epoch, sums)
         if write is None:
             return set()
         self._next_job_id += 1
@@ -468,7 +475,7 @@ class OffloadScheduler:
         for job_id, ranks in report.sums.items():
             if job_id in self._jobs:
                 self._jobs[job_id].sums.update(ranks)
-        if self.disk is not None and (unpin := self.disk.apply(report)):
+        if self.disk is not None and (unpin := self.disk.apply(report, self.index.epoch)):
             self.index.complete_load(unpin)  # written through: the pool may evict them now
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
@@ -512,10 +519,7 @@ class OffloadScheduler:
                 self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
             if not job.failed and live and self.disk is not None and self.disk.write_through:
-                slots = self.index.prepare_load(job.keys).slots  # pinned while written
-                written = self._spill(job.keys, slots, pinned=True)
-                if len(written) < len(job.keys):
-                    self.index.complete_load([k for k in job.keys if k not in written])
+                self._write_through(job)
             put = self._puts.get(job_id)
             if put is not None:
                 if not job.failed and live:  # readable at once, pinned until every put is done
@@ -540,6 +544,20 @@ class OffloadScheduler:
                     self.index.discard(job.keys)
                 state.stored_upto = min(state.stored_upto, job.start_block)
         self._forget_if_idle(job.req_id)
+
+    def _write_through(self, job: _Job) -> None:
+        """A stored block goes to disk too, pinned in the pool while written (a shared pool's
+        with the checksums it was committed with; one another engine evicted since is not)."""
+        plan = self.index.prepare_load(job.keys)
+        if plan is None:
+            return
+        sums = None
+        if self.checked:
+            sums = [list(s) for s in zip(*(job.sums[r] for r in range(self.num_workers)),
+                                         strict=True)]
+        written = self._spill(job.keys, plan.slots, pinned=True, sums=sums)
+        if len(written) < len(job.keys):
+            self.index.complete_load([k for k in job.keys if k not in written])
 
     def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;

@@ -76,9 +76,10 @@ class DiskCounters:
 class DiskIO:
     """Moves blocks between the rows of `pool` ((num_slots, block_bytes) uint8 host rows, each
     starting 4 KiB-aligned: a private pool's slots, or one rank's part of a shared pool's) and
-    `slab` (see module doc)."""
+    `slab` (see module doc); `pool` may come later, by `rebind`."""
 
-    def __init__(self, slab: SlabFile, pool: torch.Tensor, threads: int = DEFAULT_THREADS,
+    def __init__(self, slab: SlabFile, pool: torch.Tensor | None,
+                 threads: int = DEFAULT_THREADS,
                  max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES,
                  max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES) -> None:
         for name, value in (("threads", threads), ("max_write_bytes", max_write_bytes),
@@ -89,7 +90,9 @@ class DiskIO:
         self.max_write_bytes = max_write_bytes
         self.extent_blocks = self.extent_blocks_for(slab.data_bytes, max_extent_bytes)
         self._num_threads = threads
-        self.rebind(pool)
+        self.num_pool_slots = 0  # no pool yet (a shared pool is mapped at its first job)
+        if pool is not None:
+            self.rebind(pool)
         self._lock = threading.Condition()
         self._queues: dict[bool, deque[tuple[_Job, range]]] = {True: deque(), False: deque()}
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
