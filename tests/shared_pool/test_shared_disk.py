@@ -194,3 +194,28 @@ def test_a_killed_writers_partial_blocks_are_never_served(pool: PoolProcess, dis
         assert side.core.lookup("s", hashes("k", COUNT), 0, COUNT * BS + 1) == 0
     finally:
         side.close()
+
+
+def test_evict_policy_writes_the_blocks_this_engines_stores_evict(pool: PoolProcess,
+                                                                  disk: Path) -> None:
+    """Write-back below a shared pool of 8 slots: a second store of 6 blocks evicts 4 of the
+    first 6, which each rank writes out of its part of the slots before its store reuses them;
+    a load takes the rest from the pool and those from disk (evicting, and first writing out,
+    4 of the second store's), every block bit-exact."""
+    side = DiskSide(pool.name, disk, write_policy="evict")
+    try:
+        first = side.store("a", hashes("e", COUNT), seed=19)
+        assert scan(disk, rank_digest(0), DISK_SLOTS) == {}  # nothing written yet
+        side.store("b", hashes("o", COUNT), seed=23)
+        keys = {side.core.namespace.key(h) for h in hashes("e", COUNT)}
+        evicted = set(scan(disk, rank_digest(0), DISK_SLOTS).values())
+        assert len(evicted) == 4 and evicted <= keys
+        assert set(scan(disk, rank_digest(1), DISK_SLOTS).values()) == evicted
+        split, events = side.load("c", hashes("e", COUNT))
+        assert split == (2, 4, 0) and events.failed_block_ids == set()
+        for rank in range(RANKS):
+            for block in range(COUNT):
+                assert torch.equal(side.rows[rank][block], first[rank][block]), (rank, block)
+        assert len(scan(disk, rank_digest(1), DISK_SLOTS)) == 8  # 4 of "o" written out
+    finally:
+        side.close()

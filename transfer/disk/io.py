@@ -90,12 +90,12 @@ class DiskIO:
         self.max_write_bytes = max_write_bytes
         self.extent_blocks = self.extent_blocks_for(slab.data_bytes, max_extent_bytes)
         self._num_threads = threads
-        self.num_pool_slots = 0  # no pool yet (a shared pool is mapped at its first job)
-        if pool is not None:
-            self.rebind(pool)
         self._lock = threading.Condition()
         self._queues: dict[bool, deque[tuple[_Job, range]]] = {True: deque(), False: deque()}
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
+        self.num_pool_slots = 0  # no pool yet (a shared pool is mapped at its first job)
+        if pool is not None:
+            self.rebind(pool)
         self._finished: list[DiskResult] = []
         self._write_bytes = 0  # of write jobs queued or running
         self._active = {True: 0, False: 0}
@@ -124,7 +124,7 @@ class DiskIO:
             raise ValueError(f"pool rows of {pool.shape[1]} B every {stride} B at "
                              f"{pool.data_ptr():#x} do not match the slab's {slab.block_bytes} B "
                              f"blocks in {slab.data_bytes} B slots, {ALIGN}-aligned")
-        if getattr(self, "_jobs", None):
+        if self._jobs:
             raise RuntimeError(f"rebind with {len(self._jobs)} disk job(s) in flight")
         self.num_pool_slots = int(pool.shape[0])
         self._pool = pool  # keeps the memory behind the view below alive
