@@ -409,7 +409,7 @@ class OffloadWorker:
             if head < len(job.block_ids):
                 self._partial[job_id] = job.block_ids[head:]
             elif self.checks is not None:  # all here: they stay in the pool, with checksums
-                self.checks.fetched(job, self._rows)
+                self.checks.fetched(job, self._rows, read.sums if read is not None else ())
             self._submit_load(job, head)
         for job_id, (future, slots) in list(self._putting.items()):
             ok = settled(future)

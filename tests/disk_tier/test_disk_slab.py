@@ -196,13 +196,13 @@ class FaultySlab(SlabFile):
     gate: threading.Event | None = None
 
     def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
-             footers: Sequence[memoryview]) -> None:
+             footers: Sequence[memoryview]) -> list[int]:
         for slot in range(first_slot, first_slot + len(keys)):
             if slot in self.bad:
                 raise OSError(errno.EIO, f"injected read error in slot {slot}")
             if slot in self.crash:
                 raise RuntimeError(f"injected bug in slot {slot}")
-        super().read(first_slot, keys, intos, footers)
+        return super().read(first_slot, keys, intos, footers)
 
     def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
               footers: Sequence[memoryview], sums: Sequence[int | None] | None = None) -> None:

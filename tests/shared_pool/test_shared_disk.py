@@ -28,6 +28,7 @@ from disk_sides import (
 )
 
 from transfer.disk.slab import DiskError, SlabFile, open_direct, scan
+from transfer.remote.backend import block_checksum
 from transfer.shared.testing import PoolProcess
 
 CTX = mp.get_context("spawn")
@@ -87,6 +88,13 @@ def flip(slab: SlabFile, slot: int, offset: int) -> None:
         os.fsync(f.fileno())
 
 
+def assert_holds(side: DiskSide, written: list[list[torch.Tensor]]) -> None:
+    """Every rank's cache holds what was written, block for block."""
+    for rank in range(RANKS):
+        for block in range(COUNT):
+            assert torch.equal(side.rows[rank][block], written[rank][block]), (rank, block)
+
+
 def test_shared_pool_to_disk_to_a_fresh_pool_in_a_new_process_is_bit_exact(
         pool: PoolProcess, disk: Path) -> None:
     """Stored into the shared pool and written through by each rank; the daemon restarted
@@ -113,30 +121,38 @@ def test_after_a_daemon_restart_the_engine_maps_the_new_pool_and_reads_disk_into
         pool: PoolProcess, disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One engine across a daemon restart: its workers map the new segment and rebind their
     disk I/O to it. Writes through carry the checksums the ranks committed: no block is hashed
-    again to be written (reads hash every block)."""
+    again to be written; reads hash every block, and the checksums they verified are the ones
+    the blocks are committed with in the new pool (not hashed again there)."""
     import transfer.disk.slab as slab_module
+    import transfer.shared.checks as checks_module
 
-    hashed: list[bytes] = []
-    real = slab_module.block_checksum
+    hashed: list[bytes] = []  # by the disk tier
+    pooled: list[bytes] = []  # by the shared pool's checks
+    for module, calls in ((slab_module, hashed), (checks_module, pooled)):
+        def counted(block: object, key: bytes, calls: list[bytes] = calls) -> int:
+            calls.append(key)
+            return block_checksum(block, key)
 
-    def counted(block: object, key: bytes) -> int:
-        hashed.append(key)
-        return real(block, key)
-
-    monkeypatch.setattr(slab_module, "block_checksum", counted)
+        monkeypatch.setattr(module, "block_checksum", counted)
     side = DiskSide(pool.name, disk)
     try:
         written = side.store("a", hashes("q", COUNT), seed=11)
         assert hashed == []  # every rank wrote its committed checksum
+        assert len(pooled) == COUNT * RANKS  # each rank hashed its part once, to commit it
         segment = side.workers[0].pool.shared_name
         restart(pool)
+        pooled.clear()
         split, events = side.load("b", hashes("q", COUNT))
         assert split == (0, COUNT, 0) and not events.failed_block_ids
         assert all(w.pool.shared_name != segment for w in side.workers)
         assert len(hashed) == COUNT * RANKS  # each rank's read checked its part
-        for rank in range(RANKS):
-            for block in range(COUNT):
-                assert torch.equal(side.rows[rank][block], written[rank][block]), (rank, block)
+        assert pooled == []
+        assert_holds(side, written)
+        # again: committed with the read's checksums, it comes from the pool, checked
+        split, events = side.load("c", hashes("q", COUNT))
+        assert split == (COUNT, 0, 0) and not events.failed_block_ids
+        assert len(pooled) == COUNT * RANKS  # each rank checked its part, then copied it
+        assert_holds(side, written)
     finally:
         side.close()
 
@@ -213,9 +229,7 @@ def test_evict_policy_writes_the_blocks_this_engines_stores_evict(pool: PoolProc
         assert set(scan(disk, rank_digest(1), DISK_SLOTS).values()) == evicted
         split, events = side.load("c", hashes("e", COUNT))
         assert split == (2, 4, 0) and events.failed_block_ids == set()
-        for rank in range(RANKS):
-            for block in range(COUNT):
-                assert torch.equal(side.rows[rank][block], first[rank][block]), (rank, block)
+        assert_holds(side, first)
         assert len(scan(disk, rank_digest(1), DISK_SLOTS)) == 8  # 4 of "o" written out
     finally:
         side.close()

@@ -40,12 +40,14 @@ MAX_RUN_BLOCKS = 64
 
 @dataclass(frozen=True)
 class DiskResult:
-    """One finished job: per-block `ok` flags, `nbytes` of the good blocks."""
+    """One finished job: per-block `ok` flags, `nbytes` of the good blocks; a read's `sums`:
+    each good block's checksum, verified against the bytes read (None where it failed)."""
 
     job_id: int
     is_write: bool
     ok: tuple[bool, ...]
     nbytes: int
+    sums: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Job:
     pool_slots: tuple[int, ...]
     sums: tuple[int | None, ...] | None  # write: checksums the blocks carry (None: hash them)
     ok: list[bool]
+    read_sums: list[int | None]  # read: the checksums verified
     left: int
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -229,7 +232,7 @@ class DiskIO:
             if job_id in self._jobs:
                 raise ValueError(f"job id {job_id} is still in flight or unreported")
         return _Job(job_id, is_write, keys, disk, pool, None if sums is None else tuple(sums),
-                    [False] * len(keys), len(keys))
+                    [False] * len(keys), [None] * len(keys), len(keys))
 
     def _enqueue(self, job: _Job) -> None:
         self._jobs[job.job_id] = job
@@ -280,7 +283,9 @@ class DiskIO:
                 sums = None if job.sums is None else [job.sums[i] for i in run]
                 self.slab.write(job.disk_slots[run[0]], keys, datas, footers, sums)
             else:
-                self.slab.read(job.disk_slots[run[0]], keys, intos=datas, footers=footers)
+                verified = self.slab.read(job.disk_slots[run[0]], keys, datas, footers)
+                for i, checksum in zip(run, verified, strict=True):
+                    job.read_sums[i] = checksum  # each block is this thread's alone
         except Exception as exc:  # any failure fails blocks, never the thread (no stall)
             if len(run) > 1:
                 return [self._move(job, range(i, i + 1), footers)[0] for i in run]
@@ -300,8 +305,11 @@ class DiskIO:
             self._counters.failed_reads += not ok
         job.left -= 1
         if job.left == 0:
-            self._finished.append(DiskResult(job.job_id, job.is_write, tuple(job.ok),
-                                             sum(job.ok) * nbytes))
+            self._finished.append(DiskResult(
+                job.job_id, job.is_write, tuple(job.ok), sum(job.ok) * nbytes,
+                () if job.is_write else tuple(s if ok else None
+                                              for s, ok in zip(job.read_sums, job.ok,
+                                                               strict=True))))
             job.done.set()
 
     def _add_busy(self, is_write: bool, now: float) -> None:

@@ -157,13 +157,14 @@ class SlabFile:
         _write_all(self.fd, buffers, self.offset(first_slot), self._slots(first_slot, len(keys)))
 
     def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
-             footers: Sequence[memoryview]) -> None:
+             footers: Sequence[memoryview]) -> list[int]:
         """Read consecutive slots from `first_slot` into `intos` (data_bytes each, aligned) in
         one request; DiskError unless every slot holds its key with a matching checksum (then the
-        `intos` hold garbage the caller must not use)."""
+        `intos` hold garbage the caller must not use). Returns the checksums, as verified."""
         self._check(first_slot, keys, intos, footers)
         what = self._slots(first_slot, len(keys))
         buffers = [b for pair in zip(intos, footers, strict=False) for b in pair]
+        sums: list[int] = []
         try:
             n = os.preadv(self.fd, buffers, self.offset(first_slot))
         except OSError as exc:
@@ -183,6 +184,8 @@ class SlabFile:
             if block_checksum(into[:self.block_bytes], key) != checksum:
                 raise DiskError(f"checksum mismatch in slot {slot} of {self.path} (key "
                                 f"{key.hex()})")
+            sums.append(checksum)
+        return sums
 
     def _check(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
                footers: Sequence[memoryview]) -> None:
