@@ -140,7 +140,12 @@ class OffloadWorker:
         pool's slots (bound here, again for each shared mapping) and this rank's slab."""
         self.disk = WorkerDisk(io, 0 if self.shared is None else self.shared.rank)
         if self._rows is not None:
-            self.disk.rebind(self._rows)
+            self.disk.rebind(self._rows, self._disk_room())
+
+    def _disk_room(self) -> int | None:
+        """Bytes of each slot from this worker's part on that a disk read may fill (None: the
+        whole slot, a private pool's)."""
+        return None if self.shared is None else self.shared.room or self.block_bytes
 
     def describe(self, advise: bool = True) -> str:
         """One line: how blocks move and why; without `advise`, no advice to ask for a
@@ -171,7 +176,7 @@ class OffloadWorker:
         self.pool, self.engine = pool, engine
         self._rows = pool.rows(offset, self.block_bytes)
         if self.disk is not None:
-            self.disk.rebind(self._rows)
+            self.disk.rebind(self._rows, self._disk_room())
         if self._make_fetcher is not None:
             self.remote = self._make_fetcher(pool.rows(offset, self.block_bytes))
 

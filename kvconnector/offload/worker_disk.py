@@ -28,9 +28,10 @@ class WorkerDisk:
         self.spilling: dict[int, tuple[tuple[bytes, ...], frozenset[int]]] = {}  # keys, slots
         self._reads: dict[int, DiskResult | None] = {}  # load job -> its reads' result
 
-    def rebind(self, rows: torch.Tensor) -> None:
-        """Move blocks from and to `rows` (this worker's part of every slot) from now on."""
-        self.io.rebind(rows)
+    def rebind(self, rows: torch.Tensor, room: int | None = None) -> None:
+        """Move blocks from and to `rows` (this worker's part of every slot, `room` bytes of
+        each its own) from now on."""
+        self.io.rebind(rows, room)
 
     def spill(self, write: DiskWrite) -> None:
         """Write the spill's blocks out of their pool slots (reported by `collect`)."""

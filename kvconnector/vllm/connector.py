@@ -179,7 +179,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             max_store_bytes=self.options.max_store_bytes,
             shared=None if not self.options.pool else SharedPart(
                 self.options.pool, self._vllm_config.parallel_config.rank * tiers.slot_bytes,
-                self._vllm_config.parallel_config.rank))
+                self._vllm_config.parallel_config.rank, tiers.slot_bytes))
         if tiers.remote is not None:
             namespace, writes = rank_namespace(tiers.namespace, offloaded_spec(config),
                                                self._vllm_config.parallel_config)

@@ -321,7 +321,7 @@ def test_bad_input_raises_before_any_io(disk: Path) -> None:
     with pytest.raises(ValueError, match="block_bytes must be a positive int"):
         SlabFile(disk, NS_DIGEST, 0, 4)
     other = SlabFile(disk / "other", NS_DIGEST, BLOCK + FOOTER_BYTES, 4)
-    with pytest.raises(ValueError, match="do not match the slab"):
+    with pytest.raises(ValueError, match="do not take the slab.s"):
         DiskIO(other, pool.slots)
     other.close()
     assert io.get_finished() == []
@@ -390,3 +390,30 @@ def test_a_block_changed_after_its_checksum_was_taken_is_never_served(disk: Path
     assert scan(disk, NS_DIGEST, 8) == {0: key(60), 1: key(61)}  # both footers are sound
     ok, same = read_blocks(disk, [60, 61], [0, 1])
     assert ok == (True, False) and same == [True, False]
+
+
+def test_a_ranks_part_of_wider_slots_round_trips_within_its_room(disk: Path) -> None:
+    """Rows of one rank's part of shared slots (6 KiB at 8 KiB of 16 KiB slots): a read fills
+    whole pages, the 8 KiB of the part's room, and never the other rank's bytes; rows whose room
+    is smaller than the pages a read fills are refused."""
+    block, room = 6144, 8192
+    pool = make_pool(2 * room, 3)
+    part = pool.rows(room, block)
+    for i in range(3):
+        part[i].copy_(block_data(70 + i, block))
+    io = DiskIO(SlabFile(disk, NS_DIGEST, block, 8), None, threads=2)
+    with pytest.raises(ValueError, match="do not take the slab's 6144 B blocks"):
+        io.rebind(part, room=block)
+    io.rebind(part, room=room)
+    assert io.submit_write(1, [key(70 + i) for i in range(3)], range(3), [0, 1, 2])
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    pool.slots.fill_(POISON)
+    io.submit_read(2, [key(70 + i) for i in range(3)], [0, 1, 2], range(3))
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    for i in range(3):
+        assert torch.equal(part[i], block_data(70 + i, block))
+        assert bool((pool.slots[i, :room] == POISON).all())  # the other rank's part
+    io.close()
+    pool.close()

@@ -111,22 +111,23 @@ class DiskIO:
         for thread in self._threads:
             thread.start()
 
-    def rebind(self, pool: torch.Tensor) -> None:
+    def rebind(self, pool: torch.Tensor, room: int | None = None) -> None:
         """Move blocks from and to the rows of `pool` from now on (a shared pool mapped again
-        after its daemon restarted); only with no job in flight."""
+        after its daemon restarted); only with no job in flight. `room`: the bytes from each
+        row's start that are this tier's to write (default: the row stride; a rank's part of a
+        shared slot: its region): a read writes the slot's data_bytes, the block rounded up to
+        4 KiB, so they must fit."""
         if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.device.type != "cpu":
             raise ValueError(f"the pool must be 2-D uint8 host rows, got {pool.dtype} "
                              f"{tuple(pool.shape)} on {pool.device}")
         slab, stride = self.slab, pool.stride(0)
-        # A request moves a slot's data_bytes (the block rounded up to 4 KiB) at each row: rows
-        # of another stride (a rank's part of shared slots) must be whole 4 KiB pages, or a
-        # read would write into the next rank's part.
-        fits = stride == slab.data_bytes or (slab.block_bytes == slab.data_bytes
-                                              and stride % ALIGN == 0)
-        if pool.shape[1] != slab.block_bytes or not fits or pool.data_ptr() % ALIGN:
+        room = stride if room is None else room
+        if pool.shape[1] != slab.block_bytes or not slab.data_bytes <= room <= stride \
+                or stride % ALIGN or pool.data_ptr() % ALIGN:
             raise ValueError(f"pool rows of {pool.shape[1]} B every {stride} B at "
-                             f"{pool.data_ptr():#x} do not match the slab's {slab.block_bytes} B "
-                             f"blocks in {slab.data_bytes} B slots, {ALIGN}-aligned")
+                             f"{pool.data_ptr():#x}, {room} B of each ours, do not take the "
+                             f"slab's {slab.block_bytes} B blocks in {slab.data_bytes} B, "
+                             f"{ALIGN}-aligned")
         if self._jobs:
             raise RuntimeError(f"rebind with {len(self._jobs)} disk job(s) in flight")
         self.num_pool_slots = int(pool.shape[0])
