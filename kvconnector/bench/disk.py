@@ -8,6 +8,9 @@ slots in one request (transfer.disk.io: `extent_blocks` blocks, each with its fo
 requests are that many (block + footer), on as many threads of synchronous requests (psync) as
 the tier has, each through its part of the file in order. The ratio is the tier's block bytes
 per second over fio's request bytes per second (the footers count against the tier).
+Writes run twice: hashed on the tier's threads (a private pool's blocks carry no checksum) and
+with the checksums given ("carried": a shared pool's blocks, committed with them), against the
+same fio pass.
 After one untimed write and read of each file (first passes over fresh extents run slower on
 some virtual disks), each repeat is a pair per direction, fio and the tier back to back, the
 order swapped every repeat; the ratio is each pair's, so load that drifts between repeats (a
@@ -34,6 +37,7 @@ from kvconnector.layout.descriptor import KVForm, KVLayout
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import FOOTER_BYTES, DiskError, SlabFile, slot_bytes
 from transfer.pool import HostPool
+from transfer.remote.backend import block_checksum
 
 POISON = 0x5A
 
@@ -85,8 +89,10 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
         expected = _fill(pool.slots)
         keys = [digest + i.to_bytes(8, "little") for i in range(n)]
         fio_file = tmp / f"fio-{block_bytes}.dat"
-        times: dict[str, list[float]] = {k: [] for k in ("tier_write", "tier_read", "fio_write",
-                                                          "fio_read")}
+        times: dict[str, list[float]] = {k: [] for k in ("tier_write", "tier_write_carried",
+                                                          "tier_read", "fio_write", "fio_read")}
+        # a checksum per block, as a pool's commit takes it (the bytes do not change after)
+        sums = [block_checksum(row, k) for row, k in zip(pool.slots.numpy(), keys, strict=True)]
         loads: list[float] = []
         # Untimed first passes: both files fully written, so every timed write overwrites
         # written extents (a first write into preallocated space also converts them), and
@@ -100,15 +106,18 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
             loads.append(round(os.getloadavg()[0], 2))
             for write in (True, False):
                 rw = "write" if write else "read"
-                for side in (("fio", "tier") if repeat % 2 == 0 else ("tier", "fio")):
+                sides = ("fio", "tier", "carried")[:3 if write else 2]
+                for side in sides if repeat % 2 == 0 else sides[::-1]:
                     if side == "fio":
                         times[f"fio_{rw}"].append(_fio(fio, fio_file, rw, request,
                                                        n // extent, threads))
                         continue
                     if not write:
                         pool.slots.fill_(POISON)
-                    times[f"tier_{rw}"].append(_run(io, write, keys, next_job,
-                                                    threads * extent))
+                    carried = side == "carried"
+                    times[f"tier_{rw}{'_carried' if carried else ''}"].append(
+                        _run(io, write, keys, next_job, threads * extent,
+                             sums if carried else None))
                     next_job += n
                     if not write and (not torch.equal(pool.slots[:, 8:],
                                                       expected[8:].expand(n, -1))
@@ -123,8 +132,9 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
              for k, v in times.items()}
     gbps = {f"{k}_GBps": round(statistics.median(v), 3) for k, v in rates.items()}
     spread = {f"{k}_GBps_range": [round(min(v), 3), round(max(v), 3)] for k, v in rates.items()}
-    ratios = {rw: [t / f for t, f in zip(rates[f"tier_{rw}"], rates[f"fio_{rw}"], strict=True)]
-              for rw in ("write", "read")}
+    ratios = {rw: [t / f for t, f in zip(rates[f"tier_{rw}"], rates[f"fio_{rw[:5]}"],
+                                         strict=True)]
+              for rw in ("write", "write_carried", "read")}
     return {"case": name, "block_bytes": block_bytes, "request_bytes": request,
             "blocks_per_request": extent, "blocks": n, "fio_memory": fio_memory(request, threads),
             "queue_depth": threads,
@@ -153,16 +163,18 @@ def _stamps_ok(slots: torch.Tensor) -> bool:
     return torch.equal(slots[:, :8], want)
 
 
-def _run(io: DiskIO, write: bool, keys: list[bytes], first_job: int, job_blocks: int) -> float:
+def _run(io: DiskIO, write: bool, keys: list[bytes], first_job: int, job_blocks: int,
+         sums: list[int] | None = None) -> float:
     """Seconds to move every block through the tier in jobs of `job_blocks` (all ok, else
-    BenchError)."""
+    BenchError); `sums`: the blocks' checksums, given to the writes."""
     n = len(keys)
     start = time.perf_counter()
     for job, lo in enumerate(range(0, n, job_blocks)):
         ids = range(lo, min(n, lo + job_blocks))
         chosen = [keys[i] for i in ids]
         if write:
-            if not io.submit_write(first_job + job, chosen, ids, ids):
+            given = None if sums is None else [sums[i] for i in ids]
+            if not io.submit_write(first_job + job, chosen, ids, ids, given):
                 raise BenchError("the disk tier refused a write: raise its write bound")
         else:
             io.submit_read(first_job + job, chosen, ids, ids)
@@ -224,12 +236,14 @@ def print_disk(record: dict[str, Any], console: Any) -> None:
                   f"{meta['disk']['threads']} requests in flight, {meta['date']}, "
                   f"{meta['device']}")
     table = Table("case", "block", "request", "blocks", "tier write GB/s", "fio write GB/s",
-                  "ratio (pairs)", "tier read GB/s", "fio read GB/s", "ratio (pairs)")
+                  "ratio (pairs)", "checksum carried", "ratio (pairs)", "tier read GB/s",
+                  "fio read GB/s", "ratio (pairs)")
     for row in record["disk"]["rows"]:
         table.add_row(row["case"], format_bytes(row["block_bytes"]),
                       format_bytes(row["request_bytes"]), str(row["blocks"]),
                       f"{row['tier_write_GBps']:.2f}", f"{row['fio_write_GBps']:.2f}",
-                      _ratio(row, "write"), f"{row['tier_read_GBps']:.2f}",
+                      _ratio(row, "write"), f"{row['tier_write_carried_GBps']:.2f}",
+                      _ratio(row, "write_carried"), f"{row['tier_read_GBps']:.2f}",
                       f"{row['fio_read_GBps']:.2f}", _ratio(row, "read"))
     console.print(table)
     short = [row for row in record["disk"]["rows"] if row["fio_memory"] != "shmhuge"]

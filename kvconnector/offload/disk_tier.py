@@ -14,8 +14,16 @@ Worker side: the worker (kvconnector/offload/worker.py) runs DiskWrite jobs and 
 loads on a transfer.disk.io.DiskIO over its pool, and reports per-block failures (`disk_bad`): a
 block that failed a read (EIO, bad checksum) leaves the index; a failed write never enters it.
 
-Keys: as for the remote tier, rank r's slab holds its blocks under rank r's namespace (its own
-file), the scheduler's index under TP rank 0's.
+Keys: every rank writes its own slab file (named by rank r's namespace, which its header names
+too) and its part of a block under the block's key in the pool (the scheduler's), so the footer's
+checksum (block_checksum, seeded by the key) is the one a shared pool commits for that rank's
+part: a block written through from a shared pool carries it (`DiskWrite.sums`).
+
+Below a shared pool (transfer/shared/) the tier stays per engine and per rank: each engine
+writes the blocks it stored itself (write-through: all of them; "evict": those its own stores
+evict, since a block another engine's store evicts leaves the pool unseen), keeps its own index
+and slabs, and reads its hits into slots it reserves in the shared pool, which then commits them
+with their checksums for every engine on the host.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class _Spill:
     keys: list[bytes]
     pinned: list[bytes]  # pool keys pinned until the write ends (write-through)
     pending: int
+    epoch: int  # the pool index's connection the pins belong to
     bad: set[bytes] = field(default_factory=set)
 
 
@@ -89,25 +98,30 @@ class DiskPlanner:
         run = next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
         return min(run, room), run > room
 
-    def spill(self, job_id: int, keys: Sequence[bytes], slots: Sequence[int],
-              pinned: bool) -> DiskWrite | None:
-        """A write of the pool `slots` holding `keys` to disk slots, for the keys not on disk yet
-        (None when none is, or no disk slot is free). `pinned`: the keys are pinned in the
-        pool; `report_spill` returns those written, to unpin, when the write ends."""
+    def spill(self, job_id: int, keys: Sequence[bytes], slots: Sequence[int], pinned: bool,
+              segment: str = "", epoch: int = 0,
+              sums: Sequence[Sequence[int]] | None = None) -> DiskWrite | None:
+        """A write of the pool `slots` (of shared `segment`) holding `keys` to disk slots, for
+        the keys not on disk yet (None when none is, or no disk slot is free). `pinned`: the
+        keys are pinned in the pool (on connection `epoch`); `apply` returns those written, to
+        unpin, when the write ends. `sums`: each key's per-rank checksums, where known."""
         slot_of = dict(zip(keys, slots, strict=True))
+        sum_of = {} if sums is None else dict(zip(keys, sums, strict=True))
         plan = self.index.prepare_store(list(keys))
         self.counters.evictions += len(plan.evicted)
         if not plan.keys:
             return None
         self._spills[job_id] = _Spill(list(plan.keys), list(plan.keys) if pinned else [],
-                                      self.num_workers)
+                                      self.num_workers, epoch)
         return DiskWrite(job_id, tuple(plan.keys), tuple(slot_of[k] for k in plan.keys),
-                         tuple(plan.slots))
+                         tuple(plan.slots), segment,
+                         tuple(tuple(sum_of[k]) for k in plan.keys) if sum_of else ())
 
-    def apply(self, report: JobReport) -> list[bytes]:
+    def apply(self, report: JobReport, epoch: int = 0) -> list[bytes]:
         """The disk part of the workers' report: bytes, finished writes (their good keys become
         readable; failed ones never enter), failed reads (kept for `finish_load`). Returns the
-        pool keys whose writes are done, to unpin."""
+        pool keys whose writes are done, to unpin (those pinned on connection `epoch`: pins of
+        an older one went with it)."""
         for name in ("read_bytes", "read_seconds", "write_bytes", "write_seconds"):
             setattr(self.counters, name, getattr(self.counters, name)
                     + getattr(report, f"disk_{name}"))
@@ -127,7 +141,8 @@ class DiskPlanner:
                 flags = [key not in spill.bad for key in spill.keys]
                 self.counters.failed_writes += flags.count(False)
                 self.index.complete_store(spill.keys, flags)
-                unpin += spill.pinned
+                if spill.epoch == epoch:
+                    unpin += spill.pinned
         return unpin
 
     def finish_load(self, job_id: int, keys: Sequence[bytes]) -> None:
@@ -149,16 +164,16 @@ class DiskPlanner:
 
 def restored_blocks(path: str | os.PathLike[str], engine_digest: bytes,
                     rank_digests: Sequence[bytes], num_slots: int) -> dict[bytes, int]:
-    """Engine key -> disk slot of every block each rank's slab holds in the same slot under its
-    own key for the same hash (a block some rank lacks is no hit). The bytes are checked when
-    read."""
+    """Engine key -> disk slot of every block of the engine's namespace that each rank's slab
+    (named by its digest) holds in the same slot (a block some rank lacks is no hit). The
+    bytes are checked when read."""
     common: dict[int, bytes] | None = None
     for digest in rank_digests:
-        found = {slot: key[DIGEST_BYTES:] for slot, key in scan(path, digest, num_slots).items()
-                 if key[:DIGEST_BYTES] == digest}
+        found = {slot: key for slot, key in scan(path, digest, num_slots).items()
+                 if key[:DIGEST_BYTES] == engine_digest}
         common = found if common is None else {
-            slot: h for slot, h in common.items() if found.get(slot) == h}
+            slot: key for slot, key in common.items() if found.get(slot) == key}
     out: dict[bytes, int] = {}
-    for slot, block_hash in sorted((common or {}).items()):
-        out.setdefault(engine_digest + block_hash, slot)  # a stale duplicate stays free
+    for slot, key in sorted((common or {}).items()):
+        out.setdefault(key, slot)  # a stale duplicate stays free
     return out

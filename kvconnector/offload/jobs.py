@@ -48,12 +48,18 @@ class TransferJob:
 @dataclass(frozen=True)
 class DiskWrite:
     """Write pool `slots` (holding `keys`) to `disk_slots`, one block each. A spill of blocks
-    the pool evicted runs before the stores that reuse their slots (the worker orders them)."""
+    the pool evicted runs before the stores that reuse their slots (the worker orders them).
+    `pool`: the shared pool's segment of the slots ("" for each worker's own pool); `sums`: per
+    block, the per-rank checksums it was committed with (a shared pool's), which each worker
+    writes into its footers instead of hashing its part again; empty: hashed on the disk
+    threads."""
 
     job_id: int
     keys: tuple[bytes, ...]
     slots: tuple[int, ...]
     disk_slots: tuple[int, ...]
+    pool: str = ""
+    sums: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

@@ -236,14 +236,21 @@ class LoadPlanner:
                 [block for _, block, _ in kept + read], len({i for _, _, i in read}))
 
     def _spill_evicted(self, plan: StorePlan) -> None:
-        """Write-back: blocks the pool evicts go to disk before their slots are written again."""
+        """Write-back: blocks the pool evicts go to disk before their slots are written again
+        (a shared pool's plan may evict other engines' blocks: those are theirs)."""
         if plan.evicted and self.disk is not None and not self.disk.write_through:
-            self._spill(plan.evicted, plan.evicted_slots)
+            own = [(k, s) for k, s in zip(plan.evicted, plan.evicted_slots, strict=True)
+                   if self.namespace.owns(k)]
+            if own:
+                self._spill([k for k, _ in own], [s for _, s in own])
 
-    def _spill(self, keys: list[bytes], slots: list[int], pinned: bool = False) -> set[bytes]:
+    def _spill(self, keys: list[bytes], slots: list[int], pinned: bool = False,
+               sums: list[list[int]] | None = None) -> set[bytes]:
         """Write pool blocks to disk; `pinned`: the keys are pinned in the pool, and those
-        written stay so until done. Returns the keys written."""
-        write: DiskWrite | None = self.disk.spill(self._next_job_id, keys, slots, pinned)
+        written stay so until done; `sums`: their per-rank checksums, where committed with them.
+        Returns the keys written."""
+        write: DiskWrite | None = self.disk.spill(self._next_job_id, keys, slots, pinned,
+                                                  self.index.segment, self.index.epoch, sums)
         if write is None:
             return set()
         self._next_job_id += 1

@@ -4,12 +4,13 @@ A store is hashed once its copy is done and reported with its checksums (the sch
 it with every rank's); a load's blocks are checked before they are copied, chunk by chunk
 (`loads`: checked_loads.py), and the load is reported once its checks and copies are done;
 blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in the pool
-with their checksums. This worker's part of every slot is `rows`; its checksum is entry `rank`
-of each block's per-rank list.
+with their checksums (a disk read's, verified there, are taken as they are). This worker's part
+of every slot is `rows`; its checksum is entry `rank` of each block's per-rank list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -56,10 +57,29 @@ class PoolChecks:
 
     # ---- loads ----------------------------------------------------------------------------
 
-    def fetched(self, job: TransferJob, rows: torch.Tensor) -> None:
-        """Every block the job fetched is in its slot: hash them for their commit."""
-        self._fetched[job.job_id] = self.checker.hash(rows, job.fetch_slots,
-                                                      job.disk_keys + job.keys)
+    def fetched(self, job: TransferJob, rows: torch.Tensor,
+                read: Sequence[int | None] = ()) -> None:
+        """Every block the job fetched is in its slot: hash them for their commit, but for
+        those read from disk whose checksum the read verified against the bytes in the slot
+        (`read`, in the order of its disk keys: the same checksum, of the same bytes and key)."""
+        keys = job.disk_keys + job.keys
+        known = list(read) + [None] * (len(keys) - len(read))
+        todo = [i for i, checksum in enumerate(known) if checksum is None]
+        hashed = self.checker.hash(rows, [job.fetch_slots[i] for i in todo],
+                                   [keys[i] for i in todo])
+        result: Future[list[int]] = Future()
+
+        def merge(done: Future[list[int]]) -> None:
+            try:
+                for i, checksum in zip(todo, done.result(), strict=True):
+                    known[i] = checksum
+            except Exception as exc:
+                result.set_exception(exc)
+                return
+            result.set_result(known)
+
+        hashed.add_done_callback(merge)
+        self._fetched[job.job_id] = result
 
     def ready(self, job_id: int) -> bool:
         """Whether the hashing of the load's fetched blocks is done (it is reported only then)."""

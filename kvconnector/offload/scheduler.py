@@ -43,7 +43,7 @@ from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
 from kvconnector.offload.loads import LoadPlanner
-from kvconnector.offload.records import OffloadCounters, Put, RequestState
+from kvconnector.offload.records import Job, OffloadCounters, Put, RequestState
 from transfer.block_index import BlockIndex
 from transfer.keys import Namespace
 from transfer.shared.client import SharedIndex
@@ -233,7 +233,7 @@ class OffloadScheduler(LoadPlanner):
         for job_id, ranks in report.sums.items():
             if job_id in self._jobs:
                 self._jobs[job_id].sums.update(ranks)
-        if self.disk is not None and (unpin := self.disk.apply(report)):
+        if self.disk is not None and (unpin := self.disk.apply(report, self.index.epoch)):
             self.index.complete_load(unpin)  # written through: the pool may evict them now
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
@@ -277,10 +277,7 @@ class OffloadScheduler(LoadPlanner):
                 self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
             if not job.failed and live and self.disk is not None and self.disk.write_through:
-                slots = self.index.prepare_load(job.keys).slots  # pinned while written
-                written = self._spill(job.keys, slots, pinned=True)
-                if len(written) < len(job.keys):
-                    self.index.complete_load([k for k in job.keys if k not in written])
+                self._write_through(job)
             put = self._puts.get(job_id)
             if put is not None:
                 if not job.failed and live:  # readable at once, pinned until every put is done
@@ -305,6 +302,20 @@ class OffloadScheduler(LoadPlanner):
                     self.index.discard(job.keys)
                 state.stored_upto = min(state.stored_upto, job.start_block)
         self._forget_if_idle(job.req_id)
+
+    def _write_through(self, job: Job) -> None:
+        """A stored block goes to disk too, pinned in the pool while written (a shared pool's
+        with the checksums it was committed with; one another engine evicted since is not)."""
+        plan = self.index.prepare_load(job.keys)
+        if plan is None:
+            return
+        sums = None
+        if self.checked:
+            sums = [list(s) for s in zip(*(job.sums[r] for r in range(self.num_workers)),
+                                         strict=True)]
+        written = self._spill(job.keys, plan.slots, pinned=True, sums=sums)
+        if len(written) < len(job.keys):
+            self.index.complete_load([k for k in job.keys if k not in written])
 
     def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;

@@ -18,8 +18,10 @@ Per step (see StepJobs): `flush` before the forward (stores whose blocks a preem
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
 the work the compute stream had queued), then `poll` and `take_report`.
 
-With a disk tier (`attach_disk`): the step's spills start first, on the disk threads; a store or
-a load's read whose pool slots a spill still reads out waits for it here, never on a lane.
+With a disk tier (`attach_disk`, worker_disk.py): the step's spills start first, on the disk
+threads; a store or a load's read whose pool slots a spill still reads out waits for it here,
+never on a lane. Below a shared pool the disk I/O moves this worker's part of each slot, on the
+mapping of the spill's segment.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
 from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
+from kvconnector.offload.worker_disk import WorkerDisk
 from transfer.copy.base import CopyBackend
-from transfer.disk.io import DiskIO, DiskResult
+from transfer.disk.io import DiskIO
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.engine import TransferResult as CopyResult
-from transfer.keys import DIGEST_BYTES
 from transfer.pool import HostPool
 from transfer.remote.backend import TransferResult as StoreResult
 from transfer.shared.mapping import SharedPart
@@ -111,10 +113,7 @@ class OffloadWorker:
         self._report = JobReport()
         self.remote: RemoteFetcher | None = None  # set by attach_remote
         self._fetching: dict[int, tuple[TransferJob, Future[StoreResult] | None]] = {}
-        self.disk: DiskIO | None = None  # set by attach_disk
-        self._disk_digest = b""
-        self._spilling: dict[int, tuple[tuple[bytes, ...], frozenset[int]]] = {}  # keys, slots
-        self._reads: dict[int, DiskResult | None] = {}  # load job -> its disk reads' result
+        self.disk: WorkerDisk | None = None  # set by attach_disk
         self._waiting: list[tuple[bool, TransferJob]] = []  # (is store, job) behind spills
         self._putting: dict[int, tuple[Future[StoreResult], tuple[int, ...]]] = {}
         self._put_keys: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}
@@ -136,14 +135,17 @@ class OffloadWorker:
             offset = 0 if self.shared is None else self.shared.offset
             self.remote = make_fetcher(self.pool.rows(offset, self.block_bytes))
 
-    def attach_disk(self, io: DiskIO, namespace_digest: bytes) -> None:
-        """Use a disk tier below the pool (`io` moves blocks between `pool.slots` and this
-        rank's slab, whose keys are in `namespace_digest`)."""
-        self.disk = io
-        self._disk_digest = namespace_digest
+    def attach_disk(self, io: DiskIO) -> None:
+        """Use a disk tier below the pool: `io` moves blocks between this worker's part of the
+        pool's slots (bound here, again for each shared mapping) and this rank's slab."""
+        self.disk = WorkerDisk(io, 0 if self.shared is None else self.shared.rank)
+        if self._rows is not None:
+            self.disk.rebind(self._rows, self._disk_room())
 
-    def _disk_keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        return [self._disk_digest + key[DIGEST_BYTES:] for key in keys]
+    def _disk_room(self) -> int | None:
+        """Bytes of each slot from this worker's part on that a disk read may fill (None: the
+        whole slot, a private pool's)."""
+        return None if self.shared is None else self.shared.room or self.block_bytes
 
     def describe(self, advise: bool = True) -> str:
         """One line: how blocks move and why; without `advise`, no advice to ask for a
@@ -173,10 +175,12 @@ class OffloadWorker:
             raise
         self.pool, self.engine = pool, engine
         self._rows = pool.rows(offset, self.block_bytes)
+        if self.disk is not None:
+            self.disk.rebind(self._rows, self._disk_room())
         if self._make_fetcher is not None:
             self.remote = self._make_fetcher(pool.rows(offset, self.block_bytes))
 
-    def _mapped(self, job: TransferJob) -> bool:
+    def _mapped(self, job: TransferJob | DiskWrite) -> bool:
         """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
         if self.shared is None or (self.pool is not None and job.pool == self.pool.shared_name):
             return True
@@ -185,7 +189,7 @@ class OffloadWorker:
         with torch.inference_mode(False):
             return self._remap(job)
 
-    def _remap(self, job: TransferJob) -> bool:
+    def _remap(self, job: TransferJob | DiskWrite) -> bool:
         try:
             pool = self.shared.map(job.pool, self._pinned)
         except ValueError:
@@ -211,16 +215,20 @@ class OffloadWorker:
             return
         flush = set(step.flush)
         if any(is_store and job.job_id in flush for is_store, job in self._waiting):
-            self.disk.wait(list(self._spilling))
+            self.disk.io.wait(list(self.disk.spilling))
             self._poll_disk()
         self.engine.wait(step.flush)
 
     def start_loads(self, step: StepJobs) -> None:
         if step.erase_disk and self.disk is not None:
-            self.disk.wait()  # reset_cache: rare, and writes in flight must not outlive it
-            self.disk.slab.erase()
+            self.disk.erase()  # reset_cache: rare, and writes in flight must not outlive it
         for write in step.spills:
-            self._spill(write)
+            if self.disk is None:
+                raise RuntimeError(f"spill job {write.job_id} without a disk tier attached")
+            if self._mapped(write):
+                self.disk.spill(write)
+            else:  # its shared segment is gone with its daemon: nothing to write
+                self.disk.fail_spill(write, self._report)
         for job in step.loads:
             if not self._mapped(job):  # its shared segment is gone: a failed load
                 self._doomed.append(job)
@@ -229,16 +237,8 @@ class OffloadWorker:
             else:
                 self._start_load(job)
 
-    def _spill(self, write: DiskWrite) -> None:
-        if self.disk is None:
-            raise RuntimeError(f"spill job {write.job_id} without a disk tier attached")
-        # A refused write (False) still reaches get_finished, as failed: register it first.
-        self._spilling[write.job_id] = (write.keys, frozenset(write.slots))
-        self.disk.submit_write(write.job_id, self._disk_keys(write.keys), write.slots,
-                               write.disk_slots)
-
     def _behind_spills(self, slots: Sequence[int]) -> bool:
-        return any(not taken.isdisjoint(slots) for _, taken in self._spilling.values())
+        return self.disk is not None and self.disk.behind(slots)
 
     def _start_load(self, job: TransferJob) -> None:
         if job.fail or (job.keys and self.remote is None) or (job.disk_keys and not self.disk):
@@ -249,9 +249,7 @@ class OffloadWorker:
             if job.keys:
                 future = self.remote.get(job.keys, fetch_slots[len(job.disk_keys):])
             if job.disk_keys:
-                self.disk.submit_read(job.job_id, self._disk_keys(job.disk_keys),
-                                      job.disk_slots, fetch_slots[:len(job.disk_keys)])
-                self._reads[job.job_id] = None
+                self.disk.read(job, fetch_slots[:len(job.disk_keys)])
             self._fetching[job.job_id] = (job, future)
         else:
             self._submit_load(job, len(job.slots))
@@ -290,15 +288,7 @@ class OffloadWorker:
         """Finished spills -> reported (with their failed keys); then what waited behind them."""
         if self.disk is None:
             return
-        for result in self.disk.get_finished():
-            if result.job_id not in self._spilling:
-                self._reads[result.job_id] = result
-                continue
-            keys, _ = self._spilling.pop(result.job_id)
-            self._report.spilled[result.job_id] = 1
-            bad = [key for key, ok in zip(keys, result.ok, strict=True) if not ok]
-            if bad:
-                self._report.disk_bad[result.job_id] = bad
+        self.disk.collect(self._report)
         waiting, self._waiting = self._waiting, []
         for is_store, job in waiting:
             if self._behind_spills(job.slots if is_store else job.fetch_slots):
@@ -398,14 +388,14 @@ class OffloadWorker:
         self._doomed.clear()
         for job_id, (job, future) in list(self._fetching.items()):
             if (future is not None and not future.done()) or \
-                    (job_id in self._reads and self._reads[job_id] is None):
+                    (self.disk is not None and self.disk.reading(job_id)):
                 continue
             del self._fetching[job_id]
             # Load the head that is here (CPU-tier blocks, then the leading good reads and
             # fetches); the rest are load errors, from which vLLM recomputes (0.32 may also look
             # the head up again: it is in a tier, and loading it here costs one more copy).
             good = len(job.disk_keys)
-            read = self._reads.pop(job_id, None)
+            read = None if self.disk is None else self.disk.take_read(job_id)
             if read is not None:
                 good = next((i for i, ok in enumerate(read.ok) if not ok), good)
                 bad = [k for k, ok in zip(job.disk_keys, read.ok, strict=True) if not ok]
@@ -424,7 +414,7 @@ class OffloadWorker:
             if head < len(job.block_ids):
                 self._partial[job_id] = job.block_ids[head:]
             elif self.checks is not None:  # all here: they stay in the pool, with checksums
-                self.checks.fetched(job, self._rows)
+                self.checks.fetched(job, self._rows, read.sums if read is not None else ())
             self._submit_load(job, head)
         for job_id, (future, slots) in list(self._putting.items()):
             ok = settled(future)
@@ -449,11 +439,7 @@ class OffloadWorker:
         """Jobs finished here since the last call (for the scheduler, summed over workers)."""
         report, self._report = self._report, JobReport()
         if self.disk is not None:
-            counters = self.disk.take_counters()
-            report.disk_read_bytes, report.disk_read_seconds = (counters.read_bytes,
-                                                                counters.read_seconds)
-            report.disk_write_bytes, report.disk_write_seconds = (counters.write_bytes,
-                                                                  counters.write_seconds)
+            self.disk.count(report)
         return report
 
     # ---- lifetime ----------------------------------------------------------------------------
@@ -462,9 +448,9 @@ class OffloadWorker:
         """Block until every copy and store call in flight is done (results still come from
         `poll`; a fetched load starts there)."""
         if self.disk is not None:
-            self.disk.wait()
+            self.disk.io.wait()
             self._poll_disk()  # what waited behind spills starts
-            self.disk.wait()
+            self.disk.io.wait()
         for future in [f for _, f in self._fetching.values() if f is not None] + \
                 [f for f, _ in self._putting.values()]:
             with contextlib.suppress(CancelledError):
@@ -480,7 +466,7 @@ class OffloadWorker:
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
         return (len(self._loads) + len(self._stores) + len(self._fetching) + len(self._putting)
-                + len(self._doomed) + len(self._spilling)
+                + len(self._doomed) + (len(self.disk.spilling) if self.disk else 0)
                 + sum(not is_store for is_store, _ in self._waiting))
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ after a restart; its hits are reported as CacheHitSource.DISK.
 
 With `pool`, the host's shared pool (transfer.shared, `kvconnector pool serve`) replaces the
 private one: the scheduler's index is the daemon's, each worker maps the daemon's segment and
-copies into its rank's part of each slot; the remote tier composes below it as below a private
-pool.
+copies into its rank's part of each slot; the remote and disk tiers compose below it as below a
+private pool (the disk tier stays each engine's, each rank writing its part of the slots).
 
 Supported: KV cache groups of full attention (MLA included), sliding window attention and
 align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, vLLM 0.32 and
@@ -181,7 +181,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             max_store_bytes=self.options.max_store_bytes,
             shared=None if not self.options.pool else SharedPart(
                 self.options.pool, self._vllm_config.parallel_config.rank * tiers.slot_bytes,
-                self._vllm_config.parallel_config.rank))
+                self._vllm_config.parallel_config.rank, tiers.slot_bytes))
         if tiers.remote is not None:
             namespace, writes = rank_namespace(tiers.namespace, offloaded_spec(config),
                                                self._vllm_config.parallel_config)
@@ -194,7 +194,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                     parallel.tensor_parallel_size).digest
             slab = SlabFile(tiers.disk.path, digest, self._worker.block_bytes,
                             tiers.num_disk_slots)
-            self._worker.attach_disk(DiskIO(slab, self._worker.pool.slots), digest)
+            self._worker.attach_disk(DiskIO(slab, None))  # bound to the pool's rows there
         advise = advise_block_outermost(asked, backends, kv_dtype)
         how = self._worker.describe(advise)
         if len(config.kv_cache_groups) > 1:  # they share the buffers: one decision for all

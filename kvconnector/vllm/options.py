@@ -47,7 +47,8 @@ class ConnectorOptions:
     file per rank; disk_bytes: its size per worker; disk_write_policy: "evict" (blocks go to disk
     as the pool evicts them) or "through" (every block stored in the pool also goes to disk; the
     only policy with remote_only, whose pool evicts nothing: the disk is then the local tier in
-    front of the store).
+    front of the store). Below a shared `pool`, "evict" writes the blocks this engine's stores
+    evict (another engine's evictions are unseen): "through" keeps every block.
     """
 
     cpu_bytes: int | None = None
@@ -89,11 +90,6 @@ class ConnectorOptions:
             if options.remote_only:
                 raise ValueError("remote_only drops the host tier; 'pool' is one: give one of "
                                  "them")
-            if options.disk_path is not None:
-                # The disk tier writes each rank's slab from a private pool's slots; below a
-                # shared pool it needs its own slots (and a daemon-side writer): not yet.
-                raise ValueError("disk_path is not yet supported with 'pool' (a shared pool); "
-                                 "give one of them")
         for name in ("cpu_bytes", "max_store_bytes"):
             value = getattr(options, name)
             if name == "cpu_bytes" and value is None:

@@ -27,6 +27,7 @@ from disk_helpers import (
 
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import FOOTER_BYTES, DiskError, SlabFile, scan, slab_path
+from transfer.remote.backend import block_checksum
 
 BLOCK = 3 * 4096 + 100  # not a multiple of 4 KiB: a slot's padding travels with it
 REPO = Path(__file__).resolve().parents[2]
@@ -195,19 +196,19 @@ class FaultySlab(SlabFile):
     gate: threading.Event | None = None
 
     def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
-             footers: Sequence[memoryview]) -> None:
+             footers: Sequence[memoryview]) -> list[int]:
         for slot in range(first_slot, first_slot + len(keys)):
             if slot in self.bad:
                 raise OSError(errno.EIO, f"injected read error in slot {slot}")
             if slot in self.crash:
                 raise RuntimeError(f"injected bug in slot {slot}")
-        super().read(first_slot, keys, intos, footers)
+        return super().read(first_slot, keys, intos, footers)
 
     def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
-              footers: Sequence[memoryview]) -> None:
+              footers: Sequence[memoryview], sums: Sequence[int | None] | None = None) -> None:
         if self.gate is not None:
             assert self.gate.wait(60)
-        super().write(first_slot, keys, datas, footers)
+        super().write(first_slot, keys, datas, footers, sums)
 
 
 def test_injected_read_error_fails_that_block_and_is_counted(disk: Path) -> None:
@@ -320,7 +321,7 @@ def test_bad_input_raises_before_any_io(disk: Path) -> None:
     with pytest.raises(ValueError, match="block_bytes must be a positive int"):
         SlabFile(disk, NS_DIGEST, 0, 4)
     other = SlabFile(disk / "other", NS_DIGEST, BLOCK + FOOTER_BYTES, 4)
-    with pytest.raises(ValueError, match="do not match the slab"):
+    with pytest.raises(ValueError, match="do not take the slab.s"):
         DiskIO(other, pool.slots)
     other.close()
     assert io.get_finished() == []
@@ -335,3 +336,84 @@ def test_a_slab_has_one_writer(disk: Path) -> None:
         SlabFile(disk, NS_DIGEST, BLOCK, 4)
     first.close()
     SlabFile(disk, NS_DIGEST, BLOCK, 4).close()
+
+
+def test_a_carried_checksum_is_written_without_hashing_and_checked_on_read(
+        disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks that carry their checksum (a shared pool's commit) are not hashed on write; one
+    without (None) is; every read still hashes the bytes read and compares."""
+    import transfer.disk.slab as slab_module
+
+    pool = make_pool(BLOCK, 3)
+    for i in range(3):
+        pool.slots[i].copy_(block_data(40 + i, BLOCK))
+    sums = [block_checksum(pool.slots[i].numpy(), key(40 + i)) for i in range(3)]
+    hashed: list[bytes] = []
+
+    def counted(block: object, name: bytes) -> int:
+        hashed.append(name)
+        return block_checksum(block, name)
+
+    monkeypatch.setattr(slab_module, "block_checksum", counted)
+    io = DiskIO(SlabFile(disk, NS_DIGEST, BLOCK, 8), pool.slots, threads=2)
+    assert io.submit_write(1, [key(40 + i) for i in range(3)], range(3), [0, 1, 2],
+                           sums=[sums[0], None, sums[2]])
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    assert hashed == [key(41)]  # only the block without a checksum
+    hashed.clear()
+    pool.slots.fill_(POISON)
+    io.submit_read(2, [key(40 + i) for i in range(3)], [0, 1, 2], range(3))
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    assert sorted(hashed) == [key(40), key(41), key(42)]  # every read is checked
+    for i in range(3):
+        assert torch.equal(pool.slots[i], block_data(40 + i, BLOCK))
+    io.close()
+    pool.close()
+
+
+def test_a_block_changed_after_its_checksum_was_taken_is_never_served(disk: Path) -> None:
+    """The pool copy changed after its checksum was taken (a stray write, a bug): the write
+    cannot tell, but the read compares the footer's checksum with the bytes read and fails."""
+    pool = make_pool(BLOCK, 2)
+    for i in range(2):
+        pool.slots[i].copy_(block_data(60 + i, BLOCK))
+    sums = [block_checksum(pool.slots[i].numpy(), key(60 + i)) for i in range(2)]
+    pool.slots[1, 4321] ^= 0x10  # changed after its checksum
+    io = DiskIO(SlabFile(disk, NS_DIGEST, BLOCK, 8), pool.slots, threads=2)
+    assert io.submit_write(1, [key(60), key(61)], [0, 1], [0, 1], sums=sums)
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True, True)]
+    io.close()
+    pool.close()
+    assert scan(disk, NS_DIGEST, 8) == {0: key(60), 1: key(61)}  # both footers are sound
+    ok, same = read_blocks(disk, [60, 61], [0, 1])
+    assert ok == (True, False) and same == [True, False]
+
+
+def test_a_ranks_part_of_wider_slots_round_trips_within_its_room(disk: Path) -> None:
+    """Rows of one rank's part of shared slots (6 KiB at 8 KiB of 16 KiB slots): a read fills
+    whole pages, the 8 KiB of the part's room, and never the other rank's bytes; rows whose room
+    is smaller than the pages a read fills are refused."""
+    block, room = 6144, 8192
+    pool = make_pool(2 * room, 3)
+    part = pool.rows(room, block)
+    for i in range(3):
+        part[i].copy_(block_data(70 + i, block))
+    io = DiskIO(SlabFile(disk, NS_DIGEST, block, 8), None, threads=2)
+    with pytest.raises(ValueError, match="do not take the slab's 6144 B blocks"):
+        io.rebind(part, room=block)
+    io.rebind(part, room=room)
+    assert io.submit_write(1, [key(70 + i) for i in range(3)], range(3), [0, 1, 2])
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    pool.slots.fill_(POISON)
+    io.submit_read(2, [key(70 + i) for i in range(3)], [0, 1, 2], range(3))
+    assert io.wait(timeout=60)
+    assert [r.ok for r in io.get_finished()] == [(True,) * 3]
+    for i in range(3):
+        assert torch.equal(part[i], block_data(70 + i, block))
+        assert bool((pool.slots[i, :room] == POISON).all())  # the other rank's part
+    io.close()
+    pool.close()

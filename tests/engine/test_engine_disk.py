@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import xxhash
 from engine_checks import expect_corruption_seen, reload
 from engine_support import (
     BLOCK_SIZE,
@@ -36,6 +35,7 @@ from engine_support import (
 from tiny_llama import prompt_ids
 
 from transfer.disk.slab import ALIGN, aligned_buffer, scan, seal_footer, slot_bytes
+from transfer.remote.backend import block_checksum
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -121,7 +121,7 @@ def rewrite_on_disk(disk: Path, change: str) -> int:
             else:
                 zeros = bytes(size)
                 footer = aligned_buffer(stride - size)
-                seal_footer(footer, slot, size, key, xxhash.xxh3_128_digest(zeros))
+                seal_footer(footer, slot, size, key, block_checksum(zeros, key))
                 f.seek(offset)
                 f.write(zeros + bytes(footer))
         f.flush()

@@ -52,10 +52,10 @@ class GatedSlab(SlabFile):
     gate: threading.Event | None = None
 
     def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
-              footers: Sequence[memoryview]) -> None:
+              footers: Sequence[memoryview], sums: Sequence[int | None] | None = None) -> None:
         if self.gate is not None:
             assert self.gate.wait(60)
-        super().write(first_slot, keys, datas, footers)
+        super().write(first_slot, keys, datas, footers, sums)
 
 
 def tier(directory: Path, caches: dict[str, torch.Tensor], pool_slots: int, write_policy: str,
@@ -67,7 +67,7 @@ def tier(directory: Path, caches: dict[str, torch.Tensor], pool_slots: int, writ
     planner = DiskPlanner(NS, disk_slots, "lru", write_policy, 1, stored)
     core = OffloadScheduler(NS, pool_slots, BS, 1, disk=planner)
     slab = slab_cls(directory, NS.digest, worker.block_bytes, disk_slots)
-    worker.attach_disk(DiskIO(slab, worker.pool.slots, threads=3), NS.digest)
+    worker.attach_disk(DiskIO(slab, worker.pool.slots, threads=3))
     return core, worker
 
 
@@ -141,7 +141,7 @@ def test_evicted_blocks_come_back_from_disk_bit_exact(disk: Path, write_policy: 
 def test_evict_policy_writes_a_victim_before_its_slot_is_stored_again(disk: Path) -> None:
     caches = make_caches("BLNHC")
     core, worker = tier(disk, caches, 2, "evict", slab_cls=GatedSlab)
-    slab = worker.disk.slab
+    slab = worker.disk.io.slab
     try:
         a = fill_random(caches, [0, 1], seed=21)
         store(core, worker, "a", hashes("a", 2), [0, 1])
@@ -216,7 +216,7 @@ def test_a_corrupt_block_is_a_load_error_and_leaves_the_disk_index(disk: Path) -
         slot = core.disk.index.prepare_load(NS.keys(hashes("a", 3))[1:2]).slots[0]
         core.disk.index.complete_load(NS.keys(hashes("a", 3))[1:2])
         with slab_path(disk, NS.digest).open("r+b") as f:
-            offset = worker.disk.slab.offset(slot) + 100
+            offset = worker.disk.io.slab.offset(slot) + 100
             f.seek(offset)
             byte = f.read(1)[0]
             f.seek(offset)

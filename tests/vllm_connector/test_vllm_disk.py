@@ -139,7 +139,7 @@ def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -
     key = h.prompt_keys(second, prompt)[2]
     slot = disk.index.prepare_load([key]).slots[0]
     disk.index.complete_load([key])
-    slab = second.workers[0].connector._worker.disk.slab
+    slab = second.workers[0].connector._worker.disk.io.slab
     with slab_path(tmp_path / "disk", slab.digest).open("r+b") as f:
         f.seek(slab.offset(slot) + 1000)
         byte = f.read(1)[0]

@@ -199,3 +199,38 @@ def test_the_remote_store_composes_below_the_pool(model_dir: str, pool: PoolProc
         stats = h.total_stats(second).data
         assert (stats["hit_tokens"], stats["remote_hit_tokens"]) == (4 * BS, 4 * BS)
         assert pool_stats(other_host.name)["stored"] == 4  # the fetched blocks stay in its pool
+
+
+@pytest.mark.parametrize(("async_scheduling", "mla"), [
+    pytest.param(False, False, id="Scheduler"),
+    pytest.param(True, True, id="AsyncScheduler-mla")])
+def test_the_disk_tier_below_the_pool_serves_a_restart_with_an_empty_pool(
+        model_dir: str, pool: PoolProcess, tmp_path: Path, async_scheduling: bool,
+        mla: bool) -> None:
+    """TP 2 over the shared pool with a disk tier written through: each rank writes its part
+    of the shared slots to its own slab (MLA: 6 KiB a rank in 8 KiB of each slot, read back in
+    whole pages). The engines and the daemon restarted (the pool empty), a new engine on the
+    same disk_path loads the prefix from disk, every byte compared."""
+    def engine() -> h.Engine:
+        return h.Engine(h.EngineSetup(
+            model_dir=model_dir, async_scheduling=async_scheduling, tensor_parallel_size=2,
+            mla=mla, num_gpu_blocks=64, extra_config={
+                "pool": pool.name, "disk_path": str(tmp_path / "disk"),
+                "disk_bytes": 64 << 20, "disk_write_policy": "through"}))
+
+    first = engine()
+    prompt = make_prompt(9, 4 * BS + 3)
+    run_to_completion(first, {"a": (prompt, 2)})
+    assert h.total_stats(first).data["disk_write_bytes"] > 0
+    assert len(list((tmp_path / "disk").glob("*.slab"))) == 2  # one slab per rank
+    h.Engine.shutdown_all()  # the workers close their slabs
+    pool.kill()
+    pool.start()
+    restarted = engine()
+    poison_gpu(restarted)
+    run_to_completion(restarted, {"b": (prompt, 2)})
+    assert all(w.starts["b"] == [4 * BS] for w in restarted.workers)
+    stats = h.total_stats(restarted).data
+    assert (stats["hit_tokens"], stats["disk_hit_tokens"]) == (4 * BS, 4 * BS)
+    assert stats["failed_loads"] == 0
+    assert pool_stats(pool.name)["stored"] == 4  # read into the pool, committed there

@@ -40,12 +40,14 @@ MAX_RUN_BLOCKS = 64
 
 @dataclass(frozen=True)
 class DiskResult:
-    """One finished job: per-block `ok` flags, `nbytes` of the good blocks."""
+    """One finished job: per-block `ok` flags, `nbytes` of the good blocks; a read's `sums`:
+    each good block's checksum, verified against the bytes read (None where it failed)."""
 
     job_id: int
     is_write: bool
     ok: tuple[bool, ...]
     nbytes: int
+    sums: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -55,7 +57,9 @@ class _Job:
     keys: tuple[bytes, ...]
     disk_slots: tuple[int, ...]
     pool_slots: tuple[int, ...]
+    sums: tuple[int | None, ...] | None  # write: checksums the blocks carry (None: hash them)
     ok: list[bool]
+    read_sums: list[int | None]  # read: the checksums verified
     left: int
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -73,36 +77,28 @@ class DiskCounters:
 
 
 class DiskIO:
-    """Moves blocks between the rows of `pool` ((num_slots, block_bytes) uint8, page-aligned rows
-    of a stride equal to the slab's data bytes) and `slab` (see module doc)."""
+    """Moves blocks between the rows of `pool` ((num_slots, block_bytes) uint8 host rows, each
+    starting 4 KiB-aligned: a private pool's slots, or one rank's part of a shared pool's) and
+    `slab` (see module doc); `pool` may come later, by `rebind`."""
 
-    def __init__(self, slab: SlabFile, pool: torch.Tensor, threads: int = DEFAULT_THREADS,
+    def __init__(self, slab: SlabFile, pool: torch.Tensor | None,
+                 threads: int = DEFAULT_THREADS,
                  max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES,
                  max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES) -> None:
-        if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.device.type != "cpu":
-            raise ValueError(f"the pool must be 2-D uint8 host rows, got {pool.dtype} "
-                             f"{tuple(pool.shape)} on {pool.device}")
-        if pool.shape[1] != slab.block_bytes or pool.stride(0) != slab.data_bytes \
-                or pool.data_ptr() % ALIGN:
-            raise ValueError(f"pool rows of {pool.shape[1]} B every {pool.stride(0)} B at "
-                             f"{pool.data_ptr():#x} do not match the slab's {slab.block_bytes} B "
-                             f"blocks in {slab.data_bytes} B slots, {ALIGN}-aligned")
         for name, value in (("threads", threads), ("max_write_bytes", max_write_bytes),
                             ("max_extent_bytes", max_extent_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.slab = slab
-        self.num_pool_slots = int(pool.shape[0])
         self.max_write_bytes = max_write_bytes
         self.extent_blocks = self.extent_blocks_for(slab.data_bytes, max_extent_bytes)
         self._num_threads = threads
-        self._pool = pool  # keeps the memory behind the view below alive
-        nbytes = self.num_pool_slots * slab.data_bytes
-        self._memory = memoryview((ctypes.c_char * nbytes).from_address(pool.data_ptr())
-                                  ).cast("B")
         self._lock = threading.Condition()
         self._queues: dict[bool, deque[tuple[_Job, range]]] = {True: deque(), False: deque()}
         self._jobs: dict[int, _Job] = {}  # submitted, not yet reported
+        self.num_pool_slots = 0  # no pool yet (a shared pool is mapped at its first job)
+        if pool is not None:
+            self.rebind(pool)
         self._finished: list[DiskResult] = []
         self._write_bytes = 0  # of write jobs queued or running
         self._active = {True: 0, False: 0}
@@ -115,6 +111,32 @@ class DiskIO:
         for thread in self._threads:
             thread.start()
 
+    def rebind(self, pool: torch.Tensor, room: int | None = None) -> None:
+        """Move blocks from and to the rows of `pool` from now on (a shared pool mapped again
+        after its daemon restarted); only with no job in flight. `room`: the bytes from each
+        row's start that are this tier's to write (default: the row stride; a rank's part of a
+        shared slot: its region): a read writes the slot's data_bytes, the block rounded up to
+        4 KiB, so they must fit."""
+        if pool.dim() != 2 or pool.dtype != torch.uint8 or pool.device.type != "cpu":
+            raise ValueError(f"the pool must be 2-D uint8 host rows, got {pool.dtype} "
+                             f"{tuple(pool.shape)} on {pool.device}")
+        slab, stride = self.slab, pool.stride(0)
+        room = stride if room is None else room
+        if pool.shape[1] != slab.block_bytes or not slab.data_bytes <= room <= stride \
+                or stride % ALIGN or pool.data_ptr() % ALIGN:
+            raise ValueError(f"pool rows of {pool.shape[1]} B every {stride} B at "
+                             f"{pool.data_ptr():#x}, {room} B of each ours, do not take the "
+                             f"slab's {slab.block_bytes} B blocks in {slab.data_bytes} B, "
+                             f"{ALIGN}-aligned")
+        if self._jobs:
+            raise RuntimeError(f"rebind with {len(self._jobs)} disk job(s) in flight")
+        self.num_pool_slots = int(pool.shape[0])
+        self._pool = pool  # keeps the memory behind the view below alive
+        self._stride = stride
+        nbytes = (self.num_pool_slots - 1) * stride + slab.data_bytes
+        self._memory = memoryview((ctypes.c_char * nbytes).from_address(pool.data_ptr())
+                                  ).cast("B")
+
     @staticmethod
     def extent_blocks_for(data_bytes: int,
                           max_extent_bytes: int = DEFAULT_MAX_EXTENT_BYTES) -> int:
@@ -124,9 +146,12 @@ class DiskIO:
 
     # ---- verbs -----------------------------------------------------------------------------
     def submit_write(self, job_id: int, keys: Sequence[bytes], pool_slots: Sequence[int],
-                     disk_slots: Sequence[int]) -> bool:
-        """Queue pool slots -> disk slots under `keys`; False when refused (reported failed)."""
-        job = self._job(job_id, True, keys, disk_slots, pool_slots)
+                     disk_slots: Sequence[int],
+                     sums: Sequence[int | None] | None = None) -> bool:
+        """Queue pool slots -> disk slots under `keys`; False when refused (reported failed).
+        `sums`: the checksum a block carries since it entered the pool (block_checksum of its
+        bytes and key), None where it has none: those are hashed on the I/O threads."""
+        job = self._job(job_id, True, keys, disk_slots, pool_slots, sums)
         nbytes = len(job.keys) * self.slab.data_bytes
         with self._lock:
             if self._write_bytes and self._write_bytes + nbytes > self.max_write_bytes:
@@ -188,13 +213,16 @@ class DiskIO:
 
     # ---- internals -------------------------------------------------------------------------
     def _job(self, job_id: int, is_write: bool, keys: Sequence[bytes],
-             disk_slots: Sequence[int], pool_slots: Sequence[int]) -> _Job:
+             disk_slots: Sequence[int], pool_slots: Sequence[int],
+             sums: Sequence[int | None] | None = None) -> _Job:
         if self._closing:
             raise RuntimeError("the disk tier is closed")
         keys, disk, pool = tuple(keys), tuple(map(int, disk_slots)), tuple(map(int, pool_slots))
         if not (len(keys) == len(disk) == len(pool)) or not keys:
             raise ValueError(f"job {job_id}: {len(keys)} keys, {len(disk)} disk slots and "
                              f"{len(pool)} pool slots (equal and > 0)")
+        if sums is not None and len(sums) != len(keys):
+            raise ValueError(f"job {job_id}: {len(sums)} checksums for {len(keys)} keys")
         for slot in pool:
             if not 0 <= slot < self.num_pool_slots:
                 raise ValueError(f"pool slot {slot} out of range [0, {self.num_pool_slots})")
@@ -204,7 +232,8 @@ class DiskIO:
         with self._lock:
             if job_id in self._jobs:
                 raise ValueError(f"job id {job_id} is still in flight or unreported")
-        return _Job(job_id, is_write, keys, disk, pool, [False] * len(keys), len(keys))
+        return _Job(job_id, is_write, keys, disk, pool, None if sums is None else tuple(sums),
+                    [False] * len(keys), [None] * len(keys), len(keys))
 
     def _enqueue(self, job: _Job) -> None:
         self._jobs[job.job_id] = job
@@ -246,13 +275,18 @@ class DiskIO:
 
     def _move(self, job: _Job, run: range, footers: list[memoryview]) -> list[bool]:
         """One request for the blocks `run` of `job`; when it fails, one request a block."""
-        stride = self.slab.data_bytes
-        datas = [self._memory[job.pool_slots[i] * stride:(job.pool_slots[i] + 1) * stride]
+        stride, size = self._stride, self.slab.data_bytes
+        datas = [self._memory[job.pool_slots[i] * stride:job.pool_slots[i] * stride + size]
                  for i in run]
         keys = [job.keys[i] for i in run]
-        move = self.slab.write if job.is_write else self.slab.read
         try:
-            move(job.disk_slots[run[0]], keys, datas, footers)
+            if job.is_write:
+                sums = None if job.sums is None else [job.sums[i] for i in run]
+                self.slab.write(job.disk_slots[run[0]], keys, datas, footers, sums)
+            else:
+                verified = self.slab.read(job.disk_slots[run[0]], keys, datas, footers)
+                for i, checksum in zip(run, verified, strict=True):
+                    job.read_sums[i] = checksum  # each block is this thread's alone
         except Exception as exc:  # any failure fails blocks, never the thread (no stall)
             if len(run) > 1:
                 return [self._move(job, range(i, i + 1), footers)[0] for i in run]
@@ -272,8 +306,11 @@ class DiskIO:
             self._counters.failed_reads += not ok
         job.left -= 1
         if job.left == 0:
-            self._finished.append(DiskResult(job.job_id, job.is_write, tuple(job.ok),
-                                             sum(job.ok) * nbytes))
+            self._finished.append(DiskResult(
+                job.job_id, job.is_write, tuple(job.ok), sum(job.ok) * nbytes,
+                () if job.is_write else tuple(s if ok else None
+                                              for s, ok in zip(job.read_sums, job.ok,
+                                                               strict=True))))
             job.done.set()
 
     def _add_busy(self, is_write: bool, now: float) -> None:

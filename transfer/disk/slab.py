@@ -4,7 +4,11 @@ File `<namespace digest>.slab` in the tier's directory: a 4 KiB file header (blo
 count, namespace), then `num_slots` slots of `data_bytes` (the block rounded up to 4 KiB: a pool
 slot's stride) + a 4 KiB footer. One pwritev writes a block and its footer (a run of consecutive
 slots, each block followed by its own, in one request): magic, slot number, block length, the key
-and an xxh3-128 checksum of the block, the footer sealed by its own xxh64.
+and the block's checksum, the footer sealed by its own xxh64. The checksum is the one every tier
+uses (transfer.remote.backend.block_checksum: xxh3-64 seeded by the key), so a block that already
+carries one (a shared pool's commit) is written without hashing it again; the read checks it
+against the bytes read all the same, so a checksum that does not match the bytes written (a pool
+copy changed after its checksum was taken) fails the read, never serves them.
 A slot counts only when its footer is sound and names it; every read checks the key and the
 block's checksum. So a block cut off by a crash (a prefix written: the footer comes last), torn
 in any other order, flipped on the medium or misdirected is never served: a footer that survives
@@ -27,15 +31,17 @@ from pathlib import Path
 
 import xxhash
 
+from transfer.remote.backend import block_checksum
+
 ALIGN = 4096  # O_DIRECT: buffers, lengths and offsets aligned to the logical block size (<= 4 KiB)
 FOOTER_BYTES = ALIGN
 MAX_KEY_BYTES = 1024
 _HEADER = struct.Struct("<8sH16sQQQ")  # magic, version, digest, block, data bytes, slots
 _HEADER_MAGIC = b"KVCSLAB1"
-_FOOTER = struct.Struct("<8sQQ16sH")  # magic, slot, block bytes, checksum, key length
-_FOOTER_MAGIC = b"KVCBLK01"
+_FOOTER = struct.Struct("<8sQQQH")  # magic, slot, block bytes, checksum, key length
+_FOOTER_MAGIC = b"KVCBLK02"
 _SEAL = struct.Struct("<Q")
-_VERSION = 1
+_VERSION = 2  # 1: xxh3-128 footers (such a slab starts afresh)
 _SCAN_THREADS = 8
 
 
@@ -134,26 +140,31 @@ class SlabFile:
                 raise DiskError(f"cannot preallocate {self.path}: {exc}") from exc
 
     def write(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
-              footers: Sequence[memoryview]) -> None:
+              footers: Sequence[memoryview], sums: Sequence[int | None] | None = None) -> None:
         """Write each of `datas` (data_bytes, aligned; the block is its first block_bytes) under
         its key to consecutive slots from `first_slot`, in one request; `footers` are the calling
-        thread's aligned 4 KiB scratch buffers, one a block."""
+        thread's aligned 4 KiB scratch buffers, one a block; `sums`: each block's checksum where
+        it carries one (block_checksum of its bytes and key), None where it is hashed here."""
         self._check(first_slot, keys, datas, footers)
+        if sums is not None and len(sums) != len(keys):
+            raise ValueError(f"{len(sums)} checksums for {len(keys)} blocks")
         buffers: list[memoryview] = []
         for j, (key, data) in enumerate(zip(keys, datas, strict=True)):
-            seal_footer(footers[j], first_slot + j, self.block_bytes, key,
-                        xxhash.xxh3_128_digest(data[:self.block_bytes]))
+            given = None if sums is None else sums[j]
+            checksum = block_checksum(data[:self.block_bytes], key) if given is None else given
+            seal_footer(footers[j], first_slot + j, self.block_bytes, key, checksum)
             buffers += [data, footers[j]]
         _write_all(self.fd, buffers, self.offset(first_slot), self._slots(first_slot, len(keys)))
 
     def read(self, first_slot: int, keys: Sequence[bytes], intos: Sequence[memoryview],
-             footers: Sequence[memoryview]) -> None:
+             footers: Sequence[memoryview]) -> list[int]:
         """Read consecutive slots from `first_slot` into `intos` (data_bytes each, aligned) in
         one request; DiskError unless every slot holds its key with a matching checksum (then the
-        `intos` hold garbage the caller must not use)."""
+        `intos` hold garbage the caller must not use). Returns the checksums, as verified."""
         self._check(first_slot, keys, intos, footers)
         what = self._slots(first_slot, len(keys))
         buffers = [b for pair in zip(intos, footers, strict=False) for b in pair]
+        sums: list[int] = []
         try:
             n = os.preadv(self.fd, buffers, self.offset(first_slot))
         except OSError as exc:
@@ -170,9 +181,11 @@ class SlabFile:
             if stored_key != key or block_bytes != self.block_bytes:
                 raise DiskError(f"slot {slot} of {self.path} holds key {stored_key.hex()} of "
                                 f"{block_bytes} B, not {key.hex()} of {self.block_bytes} B")
-            if xxhash.xxh3_128_digest(into[:self.block_bytes]) != checksum:
+            if block_checksum(into[:self.block_bytes], key) != checksum:
                 raise DiskError(f"checksum mismatch in slot {slot} of {self.path} (key "
                                 f"{key.hex()})")
+            sums.append(checksum)
+        return sums
 
     def _check(self, first_slot: int, keys: Sequence[bytes], datas: Sequence[memoryview],
                footers: Sequence[memoryview]) -> None:
@@ -231,12 +244,12 @@ def read_header(fd: int) -> tuple[bytes, int, int] | None:
 
 
 def seal_footer(footer: memoryview, slot: int, block_bytes: int, key: bytes,
-                checksum: bytes) -> None:
+                checksum: int) -> None:
     body = _FOOTER.pack(_FOOTER_MAGIC, slot, block_bytes, checksum, len(key)) + key
     footer[:len(body) + _SEAL.size] = body + _SEAL.pack(xxhash.xxh64_intdigest(body))
 
 
-def open_footer(footer: memoryview, slot: int) -> tuple[int, bytes, bytes] | None:
+def open_footer(footer: memoryview, slot: int) -> tuple[int, bytes, int] | None:
     """(block bytes, key, checksum) of a sound footer written for `slot`, else None."""
     magic, stored_slot, block_bytes, checksum, key_len = _FOOTER.unpack_from(footer, 0)
     if magic != _FOOTER_MAGIC or stored_slot != slot or not 0 < key_len <= MAX_KEY_BYTES:

@@ -169,6 +169,13 @@ class SharedIndex:
 
     # ---- BlockIndex's verbs ----------------------------------------------------------------
 
+    @property
+    def num_reclaimable(self) -> int:
+        """The pool's slots: what other engines hold now is not known here without a round
+        trip, so a disk tier's hits are capped by the pool's size only (a load that finds less
+        room fails, and vLLM recomputes)."""
+        return self.num_slots
+
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         hits = int(self._call(p.LOOKUP, list(keys), default=0)) if keys else 0
         self._stats.hits += hits

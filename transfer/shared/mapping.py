@@ -17,18 +17,21 @@ from transfer.shared.protocol import check_name, segment_prefix
 @dataclass(frozen=True)
 class SharedPart:
     """This worker's bytes [offset, offset + the block's bytes) of every slot of pool `name`;
-    `rank`: its place in each block's per-rank checksums."""
+    `rank`: its place in each block's per-rank checksums; `room`: the bytes from `offset` that
+    are this worker's (its region of a slot, the block rounded up; 0: the block's only), which
+    a disk read of whole pages may fill."""
 
     name: str
     offset: int
     rank: int = 0
+    room: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.name)
-        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
-            raise ValueError(f"offset must be a non-negative int, got {self.offset!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+        for field in ("offset", "rank", "room"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field} must be a non-negative int, got {value!r}")
 
     def map(self, segment: str, pinned: bool | None) -> HostPool:
         """Map `segment`, which must be one of this pool's (ValueError otherwise or if gone)."""
