@@ -44,6 +44,7 @@ from transfer.remote.backend import (
     check_positive,
 )
 from transfer.remote.store.connection import Complete, Connection, Exchange, StoreError
+from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.lanes import Lanes, default_connections, spread_batch
 from transfer.remote.store.protocol import (
     FRAME_SLACK_BYTES,
@@ -113,6 +114,8 @@ class StoreClient(RemoteBackend):
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         if connections is None:  # key queries alone gain nothing from more connections
             connections = 1 if pool is None else default_connections()
+        if pool is not None:  # gets receive blocks into buffers zmq mallocs
+            keep_received_memory()
         self._request_ids = count(1)
         self._lane_options = {"max_frame_bytes": largest_frame,
                               "max_in_flight": int(max_in_flight)}
