@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import suppress
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient, blocks_per_batch
 from transfer.remote.store.lanes import deal, default_connections, spread_batch
 from transfer.remote.store.security import Security
+from transfer.remote.store.shards import shard_of
 from transfer.remote.store.testing import StoreProcess
 
 BLOCK = 256 << 10
@@ -227,3 +229,40 @@ def test_a_connection_cut_mid_job_fails_its_own_blocks_only(op: str, store: Stor
         ok = [i for i in range(COUNT) if i not in failed]
         assert torch.equal(target[ok], source[ok])
         assert bool((target[failed] == POISON).all())
+
+
+def test_requests_are_dealt_by_their_blocks() -> None:
+    sizes = {"a": 4, "b": 4, "c": 1, "d": 4, "e": 2, "f": 1}
+    assert deal(list(sizes), 2, sizes.__getitem__) == [["a", "c", "e", "f"], ["b", "d"]]
+    assert deal(list(sizes), 3, sizes.__getitem__) == [["a", "e"], ["b", "f"], ["c", "d"]]
+    assert deal(list(sizes), 3) == [["a", "d"], ["b", "e"], ["c", "f"]]  # by count
+
+
+def test_every_lane_carries_its_share_whatever_worker_the_keys_fall_on(
+        tmp_path: Path, source: torch.Tensor) -> None:
+    """Each lane has a connection to every worker: a job whose keys all fall on the first of
+    three workers is still dealt evenly over the four lanes (with connections bound to one
+    worker each, one connection carried it all)."""
+    log = tmp_path / "store.log"
+    with StoreProcess(log, capacity="96MiB", extra_args=("--workers", "3")) as store:
+        relay = Relay(store.url, cut=-1, direction="up", after=0)  # before worker 0 only
+        mine = [i for i in range(COUNT) if shard_of(KEYS[i], 3) == 0]
+        share = (len(mine) // LANES - 2) * BLOCK  # a lane's blocks, give or take a request
+        try:
+            with StoreClient(relay.url, NONE, pool=source, **OPTIONS) as writer:
+                assert writer.put([KEYS[i] for i in mine], mine).all_ok
+            carried = sorted((c["up"] for c in relay.carried), reverse=True)
+            assert len(mine) >= 2 * LANES and min(carried[:LANES]) >= share, carried
+
+            target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+            start = len(relay.carried)
+            with StoreClient(relay.url, NONE, pool=target, **OPTIONS) as reader:
+                got = reader.get([KEYS[i] for i in mine], mine)
+            assert got.statuses == (BlockStatus.OK,) * len(mine)
+            assert torch.equal(target[mine], source[mine])
+            others = [i for i in range(COUNT) if i not in mine]
+            assert bool((target[others] == POISON).all())
+            carried = sorted((c["down"] for c in relay.carried[start:]), reverse=True)
+            assert min(carried[:LANES]) >= share, carried
+        finally:
+            relay.close()

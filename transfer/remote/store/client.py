@@ -9,12 +9,12 @@ next block arrives; with several on the lane's own thread, the block still in it
 slot is valid only where its status is OK, whatever happened (timeout, lost connection, corrupt
 or short frame).
 
-A client keeps several connections (`connections`, transfer.remote.store.lanes: one TCP stream
-moves what one core copies) and deals each put's and get's requests over them; statuses come
-back in the order of the keys whatever the lane. A store of several worker processes
-(transfer.remote.store.workers) is asked for its workers at the first call (and again after a
-failure); each key then goes to its own worker (transfer.remote.store.shards) over that worker's
-connections, and lookups, exists, deletes and stats combine the workers' answers.
+A client runs several lanes (`connections`, transfer.remote.store.lanes: one TCP stream moves
+what one core copies), each a thread with a connection to each of the store's workers
+(transfer.remote.store.workers, asked for at the first call and again after a failure), and
+deals each put's and get's requests over the lanes by their blocks; each key goes to its own
+worker (transfer.remote.store.shards); statuses come back in the order of the keys whatever the
+lane; lookups, exists, deletes and stats combine the workers' answers.
 On a timeout or a lost connection the client drops that socket and connects afresh, so nothing
 late lands in a slot the caller has taken back, and a restarted store is found again; the
 other lanes' blocks are not affected.
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from itertools import count
+from itertools import count, zip_longest
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,6 +58,7 @@ from transfer.remote.store.protocol import (
     reply_statuses,
     reply_uints,
 )
+from transfer.remote.store.results import STORE_STATUS_TEXT, checked, failed, result, verdict
 from transfer.remote.store.security import Security, tcp_host
 from transfer.remote.store.shards import split, sum_stats, worker_urls
 
@@ -74,12 +75,6 @@ DEFAULT_GET_BATCH_BYTES = 16 << 20
 DEFAULT_MAX_IN_FLIGHT = 8  # requests per connection
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
 CHECK_THREADS = 2
-_STORE_STATUS_TEXT = {
-    BlockStatus.MISSING: "the store does not hold this key",
-    BlockStatus.CORRUPT: "the store found the bytes do not match their checksum",
-    BlockStatus.SIZE: "the store received a frame of another size than declared",
-    BlockStatus.FULL: "the store has no room that is not pinned by sends",
-}
 
 
 class StoreClient(RemoteBackend):
@@ -87,8 +82,8 @@ class StoreClient(RemoteBackend):
 
     Without a pool only lookup/exists/delete/stats/ping work (over one connection); without a
     namespace only stats/ping. `timeout_s` bounds the wait for each reply. `connections`: how
-    many connections a put or get spreads its requests over (default: from the cores,
-    `default_connections`; at least one per worker of the store), each with up to
+    many lanes a put or get spreads its requests over (default: from the cores,
+    `default_connections`), each with a connection to every worker of the store and up to
     `max_in_flight` requests unanswered.
     """
 
@@ -121,7 +116,7 @@ class StoreClient(RemoteBackend):
                               "max_in_flight": int(max_in_flight)}
         self._security = security
         self._connections = connections
-        self._lanes = Lanes([url], security, per_worker=connections, **self._lane_options)
+        self._lanes = Lanes([url], security, count=connections, **self._lane_options)
         self._routed = False  # the store's workers are known (asked at the next call if not)
         # With one connection a get checks each block's checksum here while the next one is
         # received: on the calling thread the check would stall the receiving (xxhash releases
@@ -147,7 +142,7 @@ class StoreClient(RemoteBackend):
         try:
             parts = self._batches(keys, self._put_batch, timeout_s)
         except StoreError as exc:
-            return _failed(len(keys), str(exc))
+            return failed(len(keys), str(exc))
         batches = []
         for shard, indices in parts:
             rid = next(self._request_ids)
@@ -163,7 +158,7 @@ class StoreClient(RemoteBackend):
 
         self._exchange(batches, complete, timeout_s)
         pinned = self._wait_sent(batches, slots, timeout_s)
-        return _result(batches, statuses, [_STORE_STATUS_TEXT.get(s, "") for s in statuses],
+        return result(batches, statuses, [STORE_STATUS_TEXT.get(s, "") for s in statuses],
                        pinned)
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
@@ -174,7 +169,7 @@ class StoreClient(RemoteBackend):
         try:
             parts = self._batches(keys, self._get_batch, timeout_s)
         except StoreError as exc:
-            return _failed(len(keys), str(exc))
+            return failed(len(keys), str(exc))
         batches = []
         for shard, indices in parts:
             rid = next(self._request_ids)
@@ -191,14 +186,14 @@ class StoreClient(RemoteBackend):
             sizes, sums = reply_uints(reply, "sizes", n), reply_uints(reply, "sums", n)
             for i, status, size, checksum in zip(batch.indices, wire, sizes, sums, strict=True):
                 if status is not BlockStatus.OK:
-                    statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
+                    statuses[i], errors[i] = status, STORE_STATUS_TEXT[status]
                     continue
                 row = self._rows[slots[i]]
                 status, errors[i] = connection.receive_block(row, size)
                 if status is not BlockStatus.OK:
                     statuses[i] = status
                 elif checker is None:
-                    statuses[i], errors[i] = _checked(row, keys[i], checksum)
+                    statuses[i], errors[i] = checked(row, keys[i], checksum)
                 else:  # OK only once its checksum matches, below
                     checks.append((i, checksum, checker.submit(block_checksum, row, keys[i])))
 
@@ -207,8 +202,8 @@ class StoreClient(RemoteBackend):
         finally:  # never return while a checker still reads a slot the caller gets back
             wait([computed for _, _, computed in checks])
             for i, checksum, computed in checks:
-                statuses[i], errors[i] = _verdict(computed.result() == checksum)
-        return _result(batches, statuses, errors, ())
+                statuses[i], errors[i] = verdict(computed.result() == checksum)
+        return result(batches, statuses, errors, ())
 
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """How many leading `keys` the store holds (the longest stored prefix)."""
@@ -308,7 +303,7 @@ class StoreClient(RemoteBackend):
         rid = next(self._request_ids) if request_id is None else request_id
         request = Exchange(rid, encode_request(rid, op, self.namespace, keys or ()))
         parsed = []
-        self._lanes.connections[0].exchange(
+        self._lanes.lanes[0].exchange(
             [request], lambda _, __, reply: parsed.append(parse(reply)),
             self.call_timeout(timeout_s))
         if request.error:
@@ -329,9 +324,8 @@ class StoreClient(RemoteBackend):
             urls = worker_urls(self.url, ports)
         except ProtocolError as exc:
             raise StoreError(f"malformed reply from the store at {self.url}: {exc}") from None
-        if urls != self._lanes.urls:  # connections to each worker, at least one each
-            lanes = Lanes(urls, self._security, per_worker=-(-self._connections // len(urls)),
-                          **self._lane_options)
+        if urls != self._lanes.urls:  # each lane a connection to each worker
+            lanes = Lanes(urls, self._security, count=self._connections, **self._lane_options)
             self._lanes.close()
             self._lanes = lanes
         self._routed = True
@@ -339,12 +333,15 @@ class StoreClient(RemoteBackend):
 
     def _batches(self, keys: list[bytes], batch_blocks: int,
                  timeout_s: float | None) -> list[tuple[int, list[int]]]:
-        """A put's or get's requests: (worker, the positions of its keys)."""
-        batches = []
-        for shard, mine in enumerate(split(keys, self._route(timeout_s))):
-            step = spread_batch(len(mine), batch_blocks, self._lanes.per_worker)
-            batches += [(shard, mine[start:start + step]) for start in range(0, len(mine), step)]
-        return batches
+        """A put's or get's requests: (worker, the positions of its keys), the workers' in turn
+        (so the lanes' windows hold requests to every worker at once)."""
+        workers = self._route(timeout_s)
+        per_worker = []
+        for shard, mine in enumerate(split(keys, workers)):
+            step = spread_batch(len(mine), batch_blocks, -(-len(self._lanes) // workers))
+            per_worker.append([(shard, mine[start:start + step])
+                               for start in range(0, len(mine), step)])
+        return [batch for turn in zip_longest(*per_worker) for batch in turn if batch]
 
     def _exchange(self, requests: list[Exchange], complete: Complete,
                   timeout_s: float | None) -> None:
@@ -372,29 +369,6 @@ class StoreClient(RemoteBackend):
                     with self._sending_lock:
                         self._sending.setdefault(slots[index], []).append(tracker)
         return tuple(sorted(self.pinned_slots.intersection(slots)))
-
-
-def _failed(count: int, error: str) -> TransferResult:
-    return TransferResult((BlockStatus.FAILED,) * count, (error,) * count, ())
-
-
-def _checked(row: np.ndarray, key: bytes, checksum: int) -> tuple[BlockStatus, str]:
-    return _verdict(block_checksum(row, key) == checksum)
-
-
-def _verdict(matches: bool) -> tuple[BlockStatus, str]:
-    if matches:
-        return BlockStatus.OK, ""
-    return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
-
-
-def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],
-            pinned: tuple[int, ...]) -> TransferResult:
-    for request in requests:
-        for index in request.indices if request.error else ():
-            statuses[index], errors[index] = BlockStatus.FAILED, request.error
-    errors = ["" if s is BlockStatus.OK else e for s, e in zip(statuses, errors, strict=True)]
-    return TransferResult(tuple(statuses), tuple(errors), pinned)
 
 
 def _field(reply: Reply, name: str, kind: type) -> Any:
