@@ -4,10 +4,11 @@ The pool is a 2-D uint8 CPU tensor (num_slots, block_bytes), e.g. `KVBuffer.bloc
 rows must be contiguous (the row stride may exceed block_bytes). A put sends each slot straight
 from pool memory as a zero-copy zmq frame; the slot stays pinned (`pinned_slots`) until zmq
 reports the frame sent. A get receives each block with recv_into straight into its slot and
-checks the frame size, and the checksum (with one connection on a small thread pool while the
-next block arrives; with several on the lane's own thread, the block still in its cache): a
-slot is valid only where its status is OK, whatever happened (timeout, lost connection, corrupt
-or short frame).
+checks the frame size, and then the checksum on the same lane thread, the block still in its
+core's cache, while zmq's IO thread receives the next (a hop to a checker thread per block cost
+a fifth more CPU per GiB on 2 cores, and gets at 0.56-0.88 of the raw streams with 8
+connections on 16): a slot is valid only where its status is OK, whatever happened (timeout,
+lost connection, corrupt or short frame).
 
 A client runs several lanes (`connections`, transfer.remote.store.lanes: one TCP stream moves
 what one core copies), each a thread with a connection to each of the store's workers
@@ -27,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from itertools import count, zip_longest
 from typing import TYPE_CHECKING, Any
@@ -58,7 +58,7 @@ from transfer.remote.store.protocol import (
     reply_statuses,
     reply_uints,
 )
-from transfer.remote.store.results import STORE_STATUS_TEXT, checked, failed, result, verdict
+from transfer.remote.store.results import STORE_STATUS_TEXT, checked, failed, result
 from transfer.remote.store.security import Security, tcp_host
 from transfer.remote.store.shards import split, sum_stats, worker_urls
 
@@ -74,7 +74,6 @@ DEFAULT_PUT_BATCH_BYTES = 4 << 20
 DEFAULT_GET_BATCH_BYTES = 16 << 20
 DEFAULT_MAX_IN_FLIGHT = 8  # requests per connection
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
-CHECK_THREADS = 2
 
 
 class StoreClient(RemoteBackend):
@@ -118,13 +117,6 @@ class StoreClient(RemoteBackend):
         self._connections = connections
         self._lanes = Lanes([url], security, count=connections, **self._lane_options)
         self._routed = False  # the store's workers are known (asked at the next call if not)
-        # With one connection a get checks each block's checksum here while the next one is
-        # received: on the calling thread the check would stall the receiving (xxhash releases
-        # the GIL). With several, each lane checks its blocks right after receiving them, hot
-        # in its core's cache, while the other lanes receive: a pool hop per block cost more
-        # (gets at 0.56-0.88 of the raw streams with it, 16 cores, 8 connections).
-        self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvconnector-check")
-                         if self.connections == 1 else None)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -177,8 +169,6 @@ class StoreClient(RemoteBackend):
             batches.append(Exchange(rid, header, indices, shard=shard))
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [""] * len(keys)
-        checks: list[tuple[int, int, Future[int]]] = []
-        checker = self._checker if len(self._lanes) == 1 else None
 
         def complete(connection: Connection, batch: Exchange, reply: Reply) -> None:
             n = len(batch.indices)
@@ -192,17 +182,10 @@ class StoreClient(RemoteBackend):
                 status, errors[i] = connection.receive_block(row, size)
                 if status is not BlockStatus.OK:
                     statuses[i] = status
-                elif checker is None:
+                else:  # OK only once its checksum matches
                     statuses[i], errors[i] = checked(row, keys[i], checksum)
-                else:  # OK only once its checksum matches, below
-                    checks.append((i, checksum, checker.submit(block_checksum, row, keys[i])))
 
-        try:
-            self._exchange(batches, complete, timeout_s)
-        finally:  # never return while a checker still reads a slot the caller gets back
-            wait([computed for _, _, computed in checks])
-            for i, checksum, computed in checks:
-                statuses[i], errors[i] = verdict(computed.result() == checksum)
+        self._exchange(batches, complete, timeout_s)
         return result(batches, statuses, errors, ())
 
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
@@ -269,8 +252,6 @@ class StoreClient(RemoteBackend):
     def close(self) -> None:
         """Drop the connections; frames not yet sent are discarded."""
         self._lanes.close()
-        if self._checker is not None:
-            self._checker.shutdown(wait=True)
 
     def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
         sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
