@@ -48,10 +48,11 @@ def source() -> torch.Tensor:
 
 class Relay:
     """A TCP relay in front of the store: forwards each connection both ways, counts what each
-    carried, and cuts connection `cut` (accept order) once it has carried `after` bytes in
-    `direction` ("up": client to store, "down": store to client), as a failing link would."""
+    carried, and cuts connection `cut` (accept order; None: the first to get there) once it has
+    carried `after` bytes in `direction` ("up": client to store, "down": store to client), as a
+    failing link would."""
 
-    def __init__(self, store_url: str, cut: int, direction: str, after: int) -> None:
+    def __init__(self, store_url: str, cut: int | None, direction: str, after: int) -> None:
         host, port = store_url[len("tcp://"):].rsplit(":", 1)
         self._target = (host, int(port))
         self._cut, self._direction, self._after = cut, direction, after
@@ -59,6 +60,7 @@ class Relay:
         self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
         self.carried: list[dict[str, int]] = []  # per connection, bytes per direction
         self.was_cut = threading.Event()
+        self._cutting = threading.Lock()  # one connection is cut, the first to get there
         self._sockets: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
@@ -85,10 +87,13 @@ class Relay:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
                 self.carried[index][direction] += len(data)
-                if (index == self._cut and direction == self._direction
+                if (direction == self._direction and self._cut in (index, None)
                         and self.carried[index][direction] >= self._after):
-                    self.was_cut.set()
-                    break
+                    with self._cutting:
+                        cut = not self.was_cut.is_set()
+                        self.was_cut.set()
+                    if cut:
+                        break
         for sock in pair:  # one side gone: drop the whole connection, both ways
             _close(sock)
 
@@ -266,3 +271,43 @@ def test_every_lane_carries_its_share_whatever_worker_the_keys_fall_on(
             assert min(carried[:LANES]) >= share, carried
         finally:
             relay.close()
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_cut_connection_to_one_worker_fails_its_own_blocks_only(
+        op: str, tmp_path: Path, source: torch.Tensor) -> None:
+    """One lane's connection to the first of three workers is cut mid-job: only blocks of
+    that worker fail, not all of them (the other lanes' connections to it carry theirs), and
+    every block of the other workers, sent or queued on the same lanes, arrives."""
+    log = tmp_path / "store.log"
+    with StoreProcess(log, capacity="96MiB", extra_args=("--workers", "3")) as store:
+        if op == "get":
+            with StoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
+                assert writer.put(KEYS, range(COUNT)).all_ok
+        first = {i for i in range(COUNT) if shard_of(KEYS[i], 3) == 0}
+        # the first connection to carry 1 MiB of blocks is cut (a lane's share to worker 0
+        # is about 2.7 MiB)
+        relay = Relay(store.url, cut=None, direction="up" if op == "put" else "down",
+                      after=1 << 20)
+        target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+        try:
+            with StoreClient(relay.url, NONE, pool=source if op == "put" else target,
+                             **OPTIONS) as client:
+                result = getattr(client, op)(KEYS, range(COUNT))
+                assert relay.was_cut.is_set()
+                failed = {i for i, s in enumerate(result.statuses) if s is not BlockStatus.OK}
+                assert failed and failed < first, (sorted(failed), sorted(first))
+                assert all(result.errors[i] == f"lost the connection to the store at "
+                           f"{relay.url}" for i in failed)
+                if op == "get":  # a failed block's slot is untouched, the others exact
+                    ok = [i for i in range(COUNT) if i not in failed]
+                    assert torch.equal(target[ok], source[ok])
+                    assert bool((target[sorted(failed)] == POISON).all())
+                again = getattr(client, op)(KEYS, range(COUNT))  # it reconnected
+                assert again.statuses == (BlockStatus.OK,) * COUNT
+        finally:
+            relay.close()
+        if op == "put":
+            assert _check_in_store(store, source) == (BlockStatus.OK,) * COUNT
+        else:
+            assert torch.equal(target, source)
