@@ -20,7 +20,6 @@ a store server, the raw baseline; elsewhere (not glibc) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 import threading
 
@@ -48,7 +47,7 @@ def keep_received_memory() -> bool:
 def _set_thresholds() -> bool:
     if platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None)  # the process's own symbols: glibc's mallopt among them
     # mallopt returns 1 on success; either threshold alone leaves the faults (setting one turns
     # off glibc's own adjustment of the other)
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
