@@ -6,8 +6,9 @@ carved from per-thread heaps that are handed back to the kernel as soon as they 
 the next block's buffer is fresh memory: a page fault per 4 KiB page, and the kernel zeroing it,
 on the zmq IO thread that is the stream's limit. Measured on the 2-core development VM, 2 MiB
 blocks on loopback: 88-340 faults per block received by a client's get, 263 by the store's
-put; 0-53 and 8-16 with freed memory kept, and the CPU per GiB of the client's IO thread (gets)
-and of the store (puts) fell by a third to a half (docs/benchmarks.md, "Received memory").
+put; 0-53 and 6-16 with freed memory kept, and the CPU per GiB of the client's IO thread (gets)
+and of the store (puts) fell by a third to a half (docs/benchmarks.md, "One client: lanes
+across workers, received memory, checks on the lane").
 
 `keep_received_memory()` makes glibc serve every allocation up to MMAP_THRESHOLD_BYTES from its
 heaps and keep up to TRIM_THRESHOLD_BYTES of free memory at a heap's top instead of returning
