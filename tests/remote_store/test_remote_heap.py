@@ -8,6 +8,7 @@ every page in again (the control: glibc hands the freed heap back to the kernel)
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -44,10 +45,17 @@ print(json.dumps({"applied": applied, "faults": faults}))
 """
 
 
+def _environment() -> dict[str, str]:
+    """This one, with this tree first on the path and no malloc tunables of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def _probe(mode: str) -> dict[str, object]:
     out = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, check=True,
                          capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+                         env=_environment())
     return json.loads(out.stdout)
 
 
