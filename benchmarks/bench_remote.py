@@ -119,7 +119,7 @@ def client_worker(index: int, store_url: str, raw_url: str, security: Security, 
         system, op, trial = command
         keys = NS.keys([b"c%d-t%d-b%d" % (index, trial, i) for i in range(blocks)])
         barrier.wait()
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         try:
             if system == "raw":
                 getattr(raw, op)(slots)
@@ -130,7 +130,8 @@ def client_worker(index: int, store_url: str, raw_url: str, security: Security, 
                 error = "" if result.all_ok else result.errors[result.ok.index(False)]
         except Exception as exc:  # the parent reports it instead of waiting for this worker
             ok, error = 0, f"{type(exc).__name__}: {exc}"
-        commands.send((start, time.monotonic(), ok, error))
+        end = time.monotonic()  # CPU: every thread of this client process, zmq's IO threads too
+        commands.send((start, end, ok, error, time.process_time() - cpu))
     store.close()
     raw.close()
 
@@ -161,8 +162,10 @@ def iperf3_gbps(streams: int) -> float | None:
 
 def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
             store_url: str, raw_url: str,
-            put_batch_blocks: int) -> dict[tuple[str, str], list[float]]:
-    """Seconds of each measured trial per (system, op), from `clients` client processes."""
+            put_batch_blocks: int) -> tuple[dict[tuple[str, str], list[float]],
+                                            dict[tuple[str, str], list[float]]]:
+    """Seconds of each measured trial per (system, op), from `clients` client processes, and
+    the CPU seconds the client processes spent in each."""
     ctx = mp.get_context("fork")  # workers inherit the imports; the parent holds no zmq state
     barrier = ctx.Barrier(clients)
     pipes, workers = [], []
@@ -174,6 +177,7 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
         workers[-1].start()
         pipes.append(parent)
     seconds: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
     try:
         for trial in range(WARMUP_TRIALS + trials):
             for op in ("put", "get"):
@@ -182,13 +186,14 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
                     for pipe in pipes:
                         pipe.send((system, op, trial))
                     replies = [_reply(pipe) for pipe in pipes]
-                    if any(ok != blocks for _, _, ok, _ in replies):
+                    if any(ok != blocks for _, _, ok, _, _ in replies):
                         raise RuntimeError(f"{system} {op} ({setup.mode}) lost blocks: "
-                                           f"{[(ok, error) for _, _, ok, error in replies]}")
+                                           f"{[(ok, error) for _, _, ok, error, _ in replies]}")
                     if trial >= WARMUP_TRIALS:
-                        elapsed = (max(e for _, e, _, _ in replies)
-                                   - min(s for s, _, _, _ in replies))
+                        elapsed = (max(e for _, e, _, _, _ in replies)
+                                   - min(s for s, _, _, _, _ in replies))
                         seconds.setdefault((system, op), []).append(elapsed)
+                        cpu.setdefault((system, op), []).append(sum(r[4] for r in replies))
     finally:
         for pipe in pipes:
             pipe.send(None)
@@ -196,7 +201,7 @@ def _trials(setup: Setup, clients: int, connections: int, blocks: int, trials: i
             worker.join(60)
             if worker.is_alive():
                 worker.kill()
-    return seconds
+    return seconds, cpu
 
 
 def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: int,
@@ -209,7 +214,7 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
     store = StoreProcess(log, capacity=str(capacity),
                          security_args=tuple(security_args(setup.server)), extra_args=io_threads)
     with RawServerProcess(setup.server, capacity, DEFAULT_IO_THREADS) as baseline, store:
-        seconds = _trials(setup, clients, connections, blocks, trials, store.url, baseline.url,
+        seconds, cpu = _trials(setup, clients, connections, blocks, trials, store.url, baseline.url,
                           put_batch_blocks)
     total = clients * blocks * BLOCK
     rows = []
@@ -223,7 +228,12 @@ def run_mode(setup: Setup, clients: int, connections: int, blocks: int, trials: 
                      "baseline_gbps": total / statistics.median(raw_s) / 1e9,
                      "ratio": statistics.median(ratios), "trial_ratios": ratios,
                      "bytes_per_trial": total, "store_seconds": store_s,
-                     "baseline_seconds": raw_s})
+                     "baseline_seconds": raw_s,
+                     # what the client processes spent (all their threads), per GiB moved
+                     "store_client_cpu_s_per_gib": statistics.median(cpu[("store", op)])
+                     / (total / 2**30),
+                     "baseline_client_cpu_s_per_gib": statistics.median(cpu[("raw", op)])
+                     / (total / 2**30)})
     return rows
 
 
@@ -232,7 +242,8 @@ def _print_row(row: dict[str, Any]) -> None:
     print(f"{row['security']:<8} {row['clients']:>7} {row['connections']:>5} "
           f"{row['workers']:>7} {row['op']:<4} "
           f"{row['store_gbps']:>10.2f} {row['baseline_gbps']:>9.2f} {row['ratio']:>6.2f} "
-          f"{min(row['trial_ratios']):>9.2f}-{max(row['trial_ratios']):.2f} {iperf:>7}",
+          f"{min(row['trial_ratios']):>9.2f}-{max(row['trial_ratios']):.2f} {iperf:>7} "
+          f"{row['store_client_cpu_s_per_gib']:>6.3f} {row['baseline_client_cpu_s_per_gib']:>6.3f}",
           flush=True)
 
 
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     # the trials' spread too: on a busy machine one trial's ratio can be far off the median
     print(f"{'security':<8} {'clients':>7} {'conns':>5} {'workers':>7} {'op':<4} "
           f"{'store GB/s':>10} "
-          f"{'raw GB/s':>9} {'ratio':>6} {'trials min-max':>14} {'iperf3':>7}", flush=True)
+          f"{'raw GB/s':>9} {'ratio':>6} {'trials min-max':>14} {'iperf3':>7} "
+          f"{'client CPU s/GiB store':>6} {'raw':>6}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
         for clients in args.clients:
             for connections in args.connections:

@@ -223,8 +223,8 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
     stalled.bind("tcp://127.0.0.1:*")
     sent: list[Exchange] = []
     unsent_at_close: list[int] = []
-    send, disconnect = Connection._send, Connection._disconnect
-    monkeypatch.setattr(Connection, "_send", lambda self, request, **kw: (
+    send, disconnect = Connection.send, Connection._disconnect
+    monkeypatch.setattr(Connection, "send", lambda self, request, **kw: (
         sent.append(request), send(self, request, **kw))[1])
     monkeypatch.setattr(Connection, "_disconnect", lambda self: (
         unsent_at_close.append(sum(not t.done for r in sent for t in r.trackers)),

@@ -8,6 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import suppress
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient, blocks_per_batch
 from transfer.remote.store.lanes import deal, default_connections, spread_batch
 from transfer.remote.store.security import Security
+from transfer.remote.store.shards import shard_of
 from transfer.remote.store.testing import StoreProcess
 
 BLOCK = 256 << 10
@@ -46,10 +48,11 @@ def source() -> torch.Tensor:
 
 class Relay:
     """A TCP relay in front of the store: forwards each connection both ways, counts what each
-    carried, and cuts connection `cut` (accept order) once it has carried `after` bytes in
-    `direction` ("up": client to store, "down": store to client), as a failing link would."""
+    carried, and cuts connection `cut` (accept order; None: the first to get there) once it has
+    carried `after` bytes in `direction` ("up": client to store, "down": store to client), as a
+    failing link would."""
 
-    def __init__(self, store_url: str, cut: int, direction: str, after: int) -> None:
+    def __init__(self, store_url: str, cut: int | None, direction: str, after: int) -> None:
         host, port = store_url[len("tcp://"):].rsplit(":", 1)
         self._target = (host, int(port))
         self._cut, self._direction, self._after = cut, direction, after
@@ -57,6 +60,7 @@ class Relay:
         self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
         self.carried: list[dict[str, int]] = []  # per connection, bytes per direction
         self.was_cut = threading.Event()
+        self._cutting = threading.Lock()  # one connection is cut, the first to get there
         self._sockets: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
@@ -83,10 +87,13 @@ class Relay:
             while data := src.recv(1 << 16):
                 dst.sendall(data)
                 self.carried[index][direction] += len(data)
-                if (index == self._cut and direction == self._direction
+                if (direction == self._direction and self._cut in (index, None)
                         and self.carried[index][direction] >= self._after):
-                    self.was_cut.set()
-                    break
+                    with self._cutting:
+                        cut = not self.was_cut.is_set()
+                        self.was_cut.set()
+                    if cut:
+                        break
         for sock in pair:  # one side gone: drop the whole connection, both ways
             _close(sock)
 
@@ -227,3 +234,80 @@ def test_a_connection_cut_mid_job_fails_its_own_blocks_only(op: str, store: Stor
         ok = [i for i in range(COUNT) if i not in failed]
         assert torch.equal(target[ok], source[ok])
         assert bool((target[failed] == POISON).all())
+
+
+def test_requests_are_dealt_by_their_blocks() -> None:
+    sizes = {"a": 4, "b": 4, "c": 1, "d": 4, "e": 2, "f": 1}
+    assert deal(list(sizes), 2, sizes.__getitem__) == [["a", "c", "e", "f"], ["b", "d"]]
+    assert deal(list(sizes), 3, sizes.__getitem__) == [["a", "e"], ["b", "f"], ["c", "d"]]
+    assert deal(list(sizes), 3) == [["a", "d"], ["b", "e"], ["c", "f"]]  # by count
+
+
+def test_every_lane_carries_its_share_whatever_worker_the_keys_fall_on(
+        tmp_path: Path, source: torch.Tensor) -> None:
+    """Each lane has a connection to every worker: a job whose keys all fall on the first of
+    three workers is still dealt evenly over the four lanes (with connections bound to one
+    worker each, one connection carried it all)."""
+    log = tmp_path / "store.log"
+    with StoreProcess(log, capacity="96MiB", extra_args=("--workers", "3")) as store:
+        relay = Relay(store.url, cut=-1, direction="up", after=0)  # before worker 0 only
+        mine = [i for i in range(COUNT) if shard_of(KEYS[i], 3) == 0]
+        share = (len(mine) // LANES - 2) * BLOCK  # a lane's blocks, give or take a request
+        try:
+            with StoreClient(relay.url, NONE, pool=source, **OPTIONS) as writer:
+                assert writer.put([KEYS[i] for i in mine], mine).all_ok
+            carried = sorted((c["up"] for c in relay.carried), reverse=True)
+            assert len(mine) >= 2 * LANES and min(carried[:LANES]) >= share, carried
+
+            target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+            start = len(relay.carried)
+            with StoreClient(relay.url, NONE, pool=target, **OPTIONS) as reader:
+                got = reader.get([KEYS[i] for i in mine], mine)
+            assert got.statuses == (BlockStatus.OK,) * len(mine)
+            assert torch.equal(target[mine], source[mine])
+            others = [i for i in range(COUNT) if i not in mine]
+            assert bool((target[others] == POISON).all())
+            carried = sorted((c["down"] for c in relay.carried[start:]), reverse=True)
+            assert min(carried[:LANES]) >= share, carried
+        finally:
+            relay.close()
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_cut_connection_to_one_worker_fails_its_own_blocks_only(
+        op: str, tmp_path: Path, source: torch.Tensor) -> None:
+    """One lane's connection to the first of three workers is cut mid-job: only blocks of
+    that worker fail, not all of them (the other lanes' connections to it carry theirs), and
+    every block of the other workers, sent or queued on the same lanes, arrives."""
+    log = tmp_path / "store.log"
+    with StoreProcess(log, capacity="96MiB", extra_args=("--workers", "3")) as store:
+        if op == "get":
+            with StoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
+                assert writer.put(KEYS, range(COUNT)).all_ok
+        first = {i for i in range(COUNT) if shard_of(KEYS[i], 3) == 0}
+        # the first connection to carry 1 MiB of blocks is cut (a lane's share to worker 0
+        # is about 2.7 MiB)
+        relay = Relay(store.url, cut=None, direction="up" if op == "put" else "down",
+                      after=1 << 20)
+        target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
+        try:
+            with StoreClient(relay.url, NONE, pool=source if op == "put" else target,
+                             **OPTIONS) as client:
+                result = getattr(client, op)(KEYS, range(COUNT))
+                assert relay.was_cut.is_set()
+                failed = {i for i, s in enumerate(result.statuses) if s is not BlockStatus.OK}
+                assert failed and failed < first, (sorted(failed), sorted(first))
+                assert all(result.errors[i] == f"lost the connection to the store at "
+                           f"{relay.url}" for i in failed)
+                if op == "get":  # a failed block's slot is untouched, the others exact
+                    ok = [i for i in range(COUNT) if i not in failed]
+                    assert torch.equal(target[ok], source[ok])
+                    assert bool((target[sorted(failed)] == POISON).all())
+                again = getattr(client, op)(KEYS, range(COUNT))  # it reconnected
+                assert again.statuses == (BlockStatus.OK,) * COUNT
+        finally:
+            relay.close()
+        if op == "put":
+            assert _check_in_store(store, source) == (BlockStatus.OK,) * COUNT
+        else:
+            assert torch.equal(target, source)

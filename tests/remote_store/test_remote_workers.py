@@ -128,7 +128,7 @@ def test_every_byte_through_every_worker(store: StoreProcess, source: torch.Tens
     assert len(ports) == WORKERS and ports[0] == int(store.url.rsplit(":", 1)[1])
     with StoreClient(store.url, NONE, pool=source, **OPTIONS) as writer:
         put = writer.put(KEYS, range(COUNT))
-        assert writer.connections == WORKERS  # 2 asked for, but at least one per worker
+        assert writer.connections == 2  # lanes, each with a connection to every worker
     assert put.statuses == (BlockStatus.OK,) * COUNT and put.pinned_slots == ()
     target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
     slots = torch.randperm(COUNT, generator=torch.Generator().manual_seed(5)).tolist()
@@ -244,7 +244,6 @@ def test_a_client_finds_a_restarted_stores_workers(tmp_path: Path,
             proc.start()  # same first port, new workers on other ports
             client.put(KEYS, range(COUNT))  # may fail where it still used the old workers
             assert client.put(KEYS, range(COUNT)).all_ok
-            assert client.connections == WORKERS
             assert client.stats()["workers"] == WORKERS
         target = torch.full((COUNT, BLOCK), POISON, dtype=torch.uint8)
         with StoreClient(proc.url, NONE, pool=target, **options) as reader:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.lanes import deal, spread_batch, start_zero_copy_collector
 from transfer.remote.store.security import Security, SecurityMode
 
@@ -46,6 +47,7 @@ class RawStreams:
         self.rows = rows
         self._put_batch, self._get_batch = put_batch_blocks, get_batch_blocks
         self._window = max_in_flight
+        keep_received_memory()  # as the store client does
         start_zero_copy_collector()
         self._context = zmq.Context(io_threads=connections)
         self._sockets = []
@@ -120,6 +122,7 @@ class RawServer:
 
     def __init__(self, security: Security, capacity: int, io_threads: int,
                  listen: str = "tcp://127.0.0.1:*") -> None:
+        keep_received_memory()  # as the store does
         self._context = zmq.Context(io_threads=io_threads)
         self._router = self._context.socket(zmq.ROUTER)
         self._auth = security.apply_server(self._context, self._router, listen)

@@ -4,17 +4,18 @@ The pool is a 2-D uint8 CPU tensor (num_slots, block_bytes), e.g. `KVBuffer.bloc
 rows must be contiguous (the row stride may exceed block_bytes). A put sends each slot straight
 from pool memory as a zero-copy zmq frame; the slot stays pinned (`pinned_slots`) until zmq
 reports the frame sent. A get receives each block with recv_into straight into its slot and
-checks the frame size, and the checksum (with one connection on a small thread pool while the
-next block arrives; with several on the lane's own thread, the block still in its cache): a
-slot is valid only where its status is OK, whatever happened (timeout, lost connection, corrupt
-or short frame).
+checks the frame size, and then the checksum on the same lane thread, the block still in its
+core's cache, while zmq's IO thread receives the next (a hop to a checker thread per block cost
+a fifth more CPU per GiB on 2 cores, and gets at 0.56-0.88 of the raw streams with 8
+connections on 16): a slot is valid only where its status is OK, whatever happened (timeout,
+lost connection, corrupt or short frame).
 
-A client keeps several connections (`connections`, transfer.remote.store.lanes: one TCP stream
-moves what one core copies) and deals each put's and get's requests over them; statuses come
-back in the order of the keys whatever the lane. A store of several worker processes
-(transfer.remote.store.workers) is asked for its workers at the first call (and again after a
-failure); each key then goes to its own worker (transfer.remote.store.shards) over that worker's
-connections, and lookups, exists, deletes and stats combine the workers' answers.
+A client runs several lanes (`connections`, transfer.remote.store.lanes: one TCP stream moves
+what one core copies), each a thread with a connection to each of the store's workers
+(transfer.remote.store.workers, asked for at the first call and again after a failure), and
+deals each put's and get's requests over the lanes by their blocks; each key goes to its own
+worker (transfer.remote.store.shards); statuses come back in the order of the keys whatever the
+lane; lookups, exists, deletes and stats combine the workers' answers.
 On a timeout or a lost connection the client drops that socket and connects afresh, so nothing
 late lands in a slot the caller has taken back, and a restarted store is found again; the
 other lanes' blocks are not affected.
@@ -27,9 +28,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
-from itertools import count
+from itertools import count, zip_longest
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +44,7 @@ from transfer.remote.backend import (
     check_positive,
 )
 from transfer.remote.store.connection import Complete, Connection, Exchange, StoreError
+from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.lanes import Lanes, default_connections, spread_batch
 from transfer.remote.store.protocol import (
     FRAME_SLACK_BYTES,
@@ -57,6 +58,7 @@ from transfer.remote.store.protocol import (
     reply_statuses,
     reply_uints,
 )
+from transfer.remote.store.results import STORE_STATUS_TEXT, checked, failed, result
 from transfer.remote.store.security import Security, tcp_host
 from transfer.remote.store.shards import split, sum_stats, worker_urls
 
@@ -72,13 +74,6 @@ DEFAULT_PUT_BATCH_BYTES = 4 << 20
 DEFAULT_GET_BATCH_BYTES = 16 << 20
 DEFAULT_MAX_IN_FLIGHT = 8  # requests per connection
 BATCH_BLOCKS = 1024  # keys per request; well under the store's default limit
-CHECK_THREADS = 2
-_STORE_STATUS_TEXT = {
-    BlockStatus.MISSING: "the store does not hold this key",
-    BlockStatus.CORRUPT: "the store found the bytes do not match their checksum",
-    BlockStatus.SIZE: "the store received a frame of another size than declared",
-    BlockStatus.FULL: "the store has no room that is not pinned by sends",
-}
 
 
 class StoreClient(RemoteBackend):
@@ -86,8 +81,8 @@ class StoreClient(RemoteBackend):
 
     Without a pool only lookup/exists/delete/stats/ping work (over one connection); without a
     namespace only stats/ping. `timeout_s` bounds the wait for each reply. `connections`: how
-    many connections a put or get spreads its requests over (default: from the cores,
-    `default_connections`; at least one per worker of the store), each with up to
+    many lanes a put or get spreads its requests over (default: from the cores,
+    `default_connections`), each with a connection to every worker of the store and up to
     `max_in_flight` requests unanswered.
     """
 
@@ -113,20 +108,15 @@ class StoreClient(RemoteBackend):
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
         if connections is None:  # key queries alone gain nothing from more connections
             connections = 1 if pool is None else default_connections()
+        if pool is not None:  # gets receive blocks into buffers zmq mallocs
+            keep_received_memory()
         self._request_ids = count(1)
         self._lane_options = {"max_frame_bytes": largest_frame,
                               "max_in_flight": int(max_in_flight)}
         self._security = security
         self._connections = connections
-        self._lanes = Lanes([url], security, per_worker=connections, **self._lane_options)
+        self._lanes = Lanes([url], security, count=connections, **self._lane_options)
         self._routed = False  # the store's workers are known (asked at the next call if not)
-        # With one connection a get checks each block's checksum here while the next one is
-        # received: on the calling thread the check would stall the receiving (xxhash releases
-        # the GIL). With several, each lane checks its blocks right after receiving them, hot
-        # in its core's cache, while the other lanes receive: a pool hop per block cost more
-        # (gets at 0.56-0.88 of the raw streams with it, 16 cores, 8 connections).
-        self._checker = (ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvconnector-check")
-                         if self.connections == 1 else None)
 
     @property
     def pinned_slots(self) -> frozenset[int]:
@@ -144,7 +134,7 @@ class StoreClient(RemoteBackend):
         try:
             parts = self._batches(keys, self._put_batch, timeout_s)
         except StoreError as exc:
-            return _failed(len(keys), str(exc))
+            return failed(len(keys), str(exc))
         batches = []
         for shard, indices in parts:
             rid = next(self._request_ids)
@@ -160,7 +150,7 @@ class StoreClient(RemoteBackend):
 
         self._exchange(batches, complete, timeout_s)
         pinned = self._wait_sent(batches, slots, timeout_s)
-        return _result(batches, statuses, [_STORE_STATUS_TEXT.get(s, "") for s in statuses],
+        return result(batches, statuses, [STORE_STATUS_TEXT.get(s, "") for s in statuses],
                        pinned)
 
     def get(self, keys: Sequence[bytes], slots: Sequence[int], *,
@@ -171,7 +161,7 @@ class StoreClient(RemoteBackend):
         try:
             parts = self._batches(keys, self._get_batch, timeout_s)
         except StoreError as exc:
-            return _failed(len(keys), str(exc))
+            return failed(len(keys), str(exc))
         batches = []
         for shard, indices in parts:
             rid = next(self._request_ids)
@@ -179,8 +169,6 @@ class StoreClient(RemoteBackend):
             batches.append(Exchange(rid, header, indices, shard=shard))
         statuses = [BlockStatus.FAILED] * len(keys)
         errors = [""] * len(keys)
-        checks: list[tuple[int, int, Future[int]]] = []
-        checker = self._checker if len(self._lanes) == 1 else None
 
         def complete(connection: Connection, batch: Exchange, reply: Reply) -> None:
             n = len(batch.indices)
@@ -188,24 +176,17 @@ class StoreClient(RemoteBackend):
             sizes, sums = reply_uints(reply, "sizes", n), reply_uints(reply, "sums", n)
             for i, status, size, checksum in zip(batch.indices, wire, sizes, sums, strict=True):
                 if status is not BlockStatus.OK:
-                    statuses[i], errors[i] = status, _STORE_STATUS_TEXT[status]
+                    statuses[i], errors[i] = status, STORE_STATUS_TEXT[status]
                     continue
                 row = self._rows[slots[i]]
                 status, errors[i] = connection.receive_block(row, size)
                 if status is not BlockStatus.OK:
                     statuses[i] = status
-                elif checker is None:
-                    statuses[i], errors[i] = _checked(row, keys[i], checksum)
-                else:  # OK only once its checksum matches, below
-                    checks.append((i, checksum, checker.submit(block_checksum, row, keys[i])))
+                else:  # OK only once its checksum matches
+                    statuses[i], errors[i] = checked(row, keys[i], checksum)
 
-        try:
-            self._exchange(batches, complete, timeout_s)
-        finally:  # never return while a checker still reads a slot the caller gets back
-            wait([computed for _, _, computed in checks])
-            for i, checksum, computed in checks:
-                statuses[i], errors[i] = _verdict(computed.result() == checksum)
-        return _result(batches, statuses, errors, ())
+        self._exchange(batches, complete, timeout_s)
+        return result(batches, statuses, errors, ())
 
     def lookup(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """How many leading `keys` the store holds (the longest stored prefix)."""
@@ -271,8 +252,6 @@ class StoreClient(RemoteBackend):
     def close(self) -> None:
         """Drop the connections; frames not yet sent are discarded."""
         self._lanes.close()
-        if self._checker is not None:
-            self._checker.shutdown(wait=True)
 
     def _put_header(self, request_id: int, keys: list[bytes], rows: list[np.ndarray]) -> bytes:
         sums = [block_checksum(row, key) for row, key in zip(rows, keys, strict=True)]
@@ -305,7 +284,7 @@ class StoreClient(RemoteBackend):
         rid = next(self._request_ids) if request_id is None else request_id
         request = Exchange(rid, encode_request(rid, op, self.namespace, keys or ()))
         parsed = []
-        self._lanes.connections[0].exchange(
+        self._lanes.lanes[0].exchange(
             [request], lambda _, __, reply: parsed.append(parse(reply)),
             self.call_timeout(timeout_s))
         if request.error:
@@ -326,9 +305,8 @@ class StoreClient(RemoteBackend):
             urls = worker_urls(self.url, ports)
         except ProtocolError as exc:
             raise StoreError(f"malformed reply from the store at {self.url}: {exc}") from None
-        if urls != self._lanes.urls:  # connections to each worker, at least one each
-            lanes = Lanes(urls, self._security, per_worker=-(-self._connections // len(urls)),
-                          **self._lane_options)
+        if urls != self._lanes.urls:  # each lane a connection to each worker
+            lanes = Lanes(urls, self._security, count=self._connections, **self._lane_options)
             self._lanes.close()
             self._lanes = lanes
         self._routed = True
@@ -336,12 +314,15 @@ class StoreClient(RemoteBackend):
 
     def _batches(self, keys: list[bytes], batch_blocks: int,
                  timeout_s: float | None) -> list[tuple[int, list[int]]]:
-        """A put's or get's requests: (worker, the positions of its keys)."""
-        batches = []
-        for shard, mine in enumerate(split(keys, self._route(timeout_s))):
-            step = spread_batch(len(mine), batch_blocks, self._lanes.per_worker)
-            batches += [(shard, mine[start:start + step]) for start in range(0, len(mine), step)]
-        return batches
+        """A put's or get's requests: (worker, the positions of its keys), the workers' in turn
+        (so the lanes' windows hold requests to every worker at once)."""
+        workers = self._route(timeout_s)
+        per_worker = []
+        for shard, mine in enumerate(split(keys, workers)):
+            step = spread_batch(len(mine), batch_blocks, -(-len(self._lanes) // workers))
+            per_worker.append([(shard, mine[start:start + step])
+                               for start in range(0, len(mine), step)])
+        return [batch for turn in zip_longest(*per_worker) for batch in turn if batch]
 
     def _exchange(self, requests: list[Exchange], complete: Complete,
                   timeout_s: float | None) -> None:
@@ -369,29 +350,6 @@ class StoreClient(RemoteBackend):
                     with self._sending_lock:
                         self._sending.setdefault(slots[index], []).append(tracker)
         return tuple(sorted(self.pinned_slots.intersection(slots)))
-
-
-def _failed(count: int, error: str) -> TransferResult:
-    return TransferResult((BlockStatus.FAILED,) * count, (error,) * count, ())
-
-
-def _checked(row: np.ndarray, key: bytes, checksum: int) -> tuple[BlockStatus, str]:
-    return _verdict(block_checksum(row, key) == checksum)
-
-
-def _verdict(matches: bool) -> tuple[BlockStatus, str]:
-    if matches:
-        return BlockStatus.OK, ""
-    return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
-
-
-def _result(requests: list[Exchange], statuses: list[BlockStatus], errors: list[str],
-            pinned: tuple[int, ...]) -> TransferResult:
-    for request in requests:
-        for index in request.indices if request.error else ():
-            statuses[index], errors[index] = BlockStatus.FAILED, request.error
-    errors = ["" if s is BlockStatus.OK else e for s, e in zip(statuses, errors, strict=True)]
-    return TransferResult(tuple(statuses), tuple(errors), pinned)
 
 
 def _field(reply: Reply, name: str, kind: type) -> Any:

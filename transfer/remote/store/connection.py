@@ -1,4 +1,7 @@
-"""A client's socket to the store: pipelined requests over one DEALER, timeouts, reconnects.
+"""A client's socket to the store: one DEALER, its requests and replies, failures, reconnects.
+
+A lane (transfer.remote.store.lanes) drives one or several of them from one thread, with several
+requests in flight.
 
 The DEALER is `immediate` (nothing is queued for a store that is not connected, so a send waits
 for a live connection instead) and watched by a zmq monitor: a connection lost during a call, or
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,42 +63,33 @@ class Connection:
     one thread at a time."""
 
     def __init__(self, url: str, security: Security, *, context: zmq.Context, io_thread: int,
-                 max_frame_bytes: int, max_in_flight: int) -> None:
+                 max_frame_bytes: int) -> None:
         self.url = url
         self._io_thread = io_thread
         self._security = security
         self._max_frame_bytes = max_frame_bytes
-        self._max_in_flight = max_in_flight
         self._context = context
         self._sock: zmq.Socket | None = None
         self._connect()
 
-    def exchange(self, requests: list[Exchange], complete: Complete, timeout_s: float) -> None:
-        """Send with at most max_in_flight unanswered; `complete` takes each reply and reads
-        its block frames; a request without a usable reply gets `error` set."""
+    @property
+    def socket(self) -> zmq.Socket:
         if self._sock is None:
             raise ValueError(f"the connection to {self.url} is closed")
-        queue: deque[Exchange] = deque(requests)
-        pending: dict[int, Exchange] = {}
-        self._read_monitor(raise_failures=False)  # catch up with what happened while idle
-        if self._refusal:  # zmq may not retry a refused handshake: start a fresh attempt
-            self._reconnect()
-        try:
-            while queue or pending:
-                while queue and len(pending) < self._max_in_flight:
-                    request = queue.popleft()
-                    pending[request.request_id] = request
-                    request.deadline = time.monotonic() + timeout_s
-                    self._send(request)
-                self._wait(min(r.deadline for r in pending.values()), _POLLIN)
-                self._receive_reply(pending, complete)
-        except StoreError as exc:
-            for request in (*pending.values(), *queue):
-                request.error = str(exc)
-            self._reconnect()
-        except BaseException:
-            self._reconnect()  # never leave a half-read message or a live request behind
-            raise
+        return self._sock
+
+    @property
+    def monitor(self) -> zmq.Socket:
+        return self._monitor
+
+    def prepare(self) -> None:
+        """Before a call: catch up with what happened while idle; a refused handshake gets a
+        fresh attempt (zmq may not retry it)."""
+        if self._sock is None:
+            raise ValueError(f"the connection to {self.url} is closed")
+        self.read_monitor(raise_failures=False)
+        if self._refusal:
+            self.reconnect()
 
     def receive_block(self, buffer: Any, size: int) -> tuple[BlockStatus, str]:
         """Receive the reply's next block frame, of declared `size`, straight into `buffer`
@@ -118,7 +111,9 @@ class Connection:
         if self._sock is not None:
             self._disconnect()
 
-    def _send(self, request: Exchange) -> None:
+    def send(self, request: Exchange) -> None:
+        """Send a request, its frames zero-copy; waits (StoreError at its deadline) only while
+        there is no live connection yet."""
         if callable(request.header):
             request.header = request.header()
         flags = _SNDMORE if request.frames else 0
@@ -133,7 +128,9 @@ class Connection:
             more = _SNDMORE if index < len(request.frames) - 1 else 0
             request.trackers.append(self._sock.send(frame, more, copy=False, track=True))
 
-    def _receive_reply(self, pending: dict[int, Exchange], complete: Complete) -> None:
+    def receive_reply(self, pending: dict[int, Exchange], complete: Complete) -> None:
+        """Read one reply: `complete` takes it (and its block frames) for its request, taken out
+        of `pending`; StoreError where the connection can no longer be trusted."""
         try:
             reply = decode_reply(self._sock.recv())
         except ProtocolError as exc:
@@ -164,11 +161,13 @@ class Connection:
                 raise StoreError(f"no {what} the store at {self.url} within the timeout")
             ready = dict(self._poller.poll(remaining_ms))
             if self._monitor in ready:
-                self._read_monitor(raise_failures=True)
+                self.read_monitor(raise_failures=True)
             if ready.get(self._sock, 0) & event:
                 return
 
-    def _read_monitor(self, raise_failures: bool) -> None:
+    def read_monitor(self, raise_failures: bool) -> None:
+        """Handshakes and disconnects since the last look; StoreError for a lost connection or
+        a refused handshake if `raise_failures`."""
         while self._monitor.poll(0):
             message = recv_monitor_message(self._monitor)
             event, value = message["event"], message["value"]
@@ -220,6 +219,7 @@ class Connection:
         self._sock.close(linger=0)
         self._sock = None
 
-    def _reconnect(self) -> None:
+    def reconnect(self) -> None:
+        """Drop the socket (unsent frames are discarded) and connect a fresh one."""
         self._disconnect()
         self._connect()

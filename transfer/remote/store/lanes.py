@@ -1,33 +1,38 @@
 """Lanes: one client's connections to the store, and how a call's requests are spread over them.
 
 One TCP stream moves what one core can copy through the kernel (3.3-4.4 GB/s on the 16-core
-GPU machine, against 52-55 GB/s of host memory), so a client opens several connections. A lane is
-one connection (transfer.remote.store.connection) run by one thread: a put or get deals its
-requests round-robin over the lanes, each lane sends its share with its own window of requests
-in flight, and the call returns once every lane has. zmq gives each connection an IO thread of
-the client's own context, so the kernel copies (and CURVE's encryption, done on the IO threads)
-run in parallel too; the lane threads checksum puts and receive gets (both release the GIL).
+GPU machine, against 52-55 GB/s of host memory), so a client runs several lanes. A lane is one
+thread and one zmq IO thread of the client's own context, with a connection
+(transfer.remote.store.connection) to each of the store's workers (transfer.remote.store.workers):
+a put or get deals its requests over the lanes by their blocks, each lane sends its share with
+its own window of requests in flight, each request on its lane's connection to the request's
+worker (`Exchange.shard`), and the call returns once every lane has. So the kernel copies (and
+CURVE's encryption, done on the IO threads) run in parallel, the lane threads checksum puts and
+receive gets (both release the GIL), and every lane carries an even share of a job's bytes
+however its keys fall on the workers: with a lane per worker instead, one client's job of 512
+keys over 8 workers gave the busiest lane 1.16-1.32x the mean, and the job waits for it.
 
-A store of several workers (transfer.remote.store.workers) gets lanes of its own per worker:
-each request names its worker (`Exchange.shard`) and is dealt over that worker's lanes.
-
-A lane's failure (timeout, lost connection) fails that lane's requests only: each connection
-reconnects on its own, and a block's status depends only on its own request.
+A failure (timeout, lost connection) fails the requests of that connection only: each
+connection reconnects on its own, and a block's status depends only on its own request.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 
-from transfer.remote.store.connection import Complete, Connection, Exchange
+from transfer.remote.store.connection import Complete, Connection, Exchange, StoreError
 from transfer.remote.store.security import Security
 
 MAX_DEFAULT_CONNECTIONS = 8
+_POLLIN = int(zmq.POLLIN)
 T = TypeVar("T")
 
 
@@ -54,10 +59,18 @@ def start_zero_copy_collector() -> None:
     zmq.Frame(bytes(1), copy=False, track=True)
 
 
-def deal(requests: Sequence[T], lanes: int) -> list[list[T]]:
-    """Request k goes to lane k % lanes: consecutive requests run at once on different lanes,
-    so a job's blocks arrive roughly in order."""
-    return [list(requests[lane::lanes]) for lane in range(lanes)]
+def deal(requests: Sequence[T], lanes: int,
+         size: Callable[[T], int] = lambda _: 1) -> list[list[T]]:
+    """Each request in turn goes to the lane with the fewest blocks (`size`) so far, the first
+    of them on a tie: requests of one size go k to lane k % lanes, so consecutive requests run
+    at once on different lanes and a job's blocks arrive roughly in order."""
+    shares: list[list[T]] = [[] for _ in range(lanes)]
+    loads = [0] * lanes
+    for request in requests:
+        lane = loads.index(min(loads))
+        shares[lane].append(request)
+        loads[lane] += size(request)
+    return shares
 
 
 def spread_batch(blocks: int, batch_blocks: int, lanes: int) -> int:
@@ -66,27 +79,112 @@ def spread_batch(blocks: int, batch_blocks: int, lanes: int) -> int:
     return max(1, min(batch_blocks, -(-blocks // lanes)))
 
 
-class Lanes:
-    """`per_worker` connections to each of a store's workers (`urls`, worker 0 first), each on
-    its own zmq IO thread; the lanes of one client, used by one call at a time."""
+class Lane:
+    """One thread's connections, one to each of the store's workers (index = worker), on one
+    IO thread; `window` requests in flight over them in all."""
 
-    def __init__(self, urls: Sequence[str], security: Security, *, per_worker: int,
+    def __init__(self, connections: list[Connection], window: int) -> None:
+        self.connections = connections
+        self.window = window
+
+    def exchange(self, requests: Sequence[Exchange], complete: Complete,
+                 timeout_s: float) -> None:
+        """Send each request on its worker's connection, at most `window` unanswered;
+        `complete` takes each reply and reads its block frames; a request without a usable
+        reply gets `error` set (those of a failed connection only, which reconnects)."""
+        queue: deque[Exchange] = deque(requests)
+        pending: list[dict[int, Exchange]] = [{} for _ in self.connections]  # per connection
+        for connection in self.connections:
+            connection.prepare()
+        poller, sockets = self._poller()
+        try:
+            while queue or any(pending):
+                while queue and sum(map(len, pending)) < self.window:
+                    request = queue.popleft()
+                    pending[request.shard][request.request_id] = request
+                    request.deadline = time.monotonic() + timeout_s
+                    try:
+                        self.connections[request.shard].send(request)
+                    except StoreError as exc:
+                        self._fail(request.shard, str(exc), pending, queue)
+                        poller, sockets = self._poller()
+                if any(pending) and self._serve(poller, sockets, pending, queue, complete):
+                    poller, sockets = self._poller()  # a connection was replaced
+        except BaseException:
+            for connection in self.connections:  # never leave a half-read message behind
+                connection.reconnect()
+            raise
+
+    def _serve(self, poller: zmq.Poller, sockets: dict[Any, tuple[int, bool]],
+               pending: list[dict[int, Exchange]], queue: deque[Exchange],
+               complete: Complete) -> bool:
+        """Wait for replies until the nearest deadline and read those that came; True if a
+        connection failed (and was replaced)."""
+        deadline = min(r.deadline for share in pending for r in share.values())
+        timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        failed: set[int] = set()
+        for sock, _ in poller.poll(timeout_ms):
+            shard, is_monitor = sockets[sock]
+            connection = self.connections[shard]
+            if shard in failed:  # its socket was replaced: nothing to read from the new one
+                continue
+            try:
+                if is_monitor:
+                    connection.read_monitor(raise_failures=True)
+                else:
+                    connection.receive_reply(pending[shard], complete)
+            except StoreError as exc:
+                self._fail(shard, str(exc), pending, queue)
+                failed.add(shard)
+        now = time.monotonic()
+        for shard, share in enumerate(pending):
+            if any(request.deadline <= now for request in share.values()):
+                self._fail(shard, f"no reply from the store at {self.connections[shard].url} "
+                                  f"within the timeout", pending, queue)
+                failed.add(shard)
+        return bool(failed)
+
+    def _fail(self, shard: int, error: str, pending: list[dict[int, Exchange]],
+              queue: deque[Exchange]) -> None:
+        """Connection `shard` failed: its requests (sent or not) get `error`; it reconnects."""
+        for request in pending[shard].values():
+            request.error = error
+        pending[shard].clear()
+        for request in [r for r in queue if r.shard == shard]:
+            request.error = error
+            queue.remove(request)
+        self.connections[shard].reconnect()
+
+    def _poller(self) -> tuple[zmq.Poller, dict[Any, tuple[int, bool]]]:
+        poller, sockets = zmq.Poller(), {}
+        for shard, connection in enumerate(self.connections):
+            for sock, is_monitor in ((connection.socket, False), (connection.monitor, True)):
+                poller.register(sock, _POLLIN)
+                sockets[sock] = (shard, is_monitor)
+        return poller, sockets
+
+
+class Lanes:
+    """`count` lanes, each with a connection to every one of a store's workers (`urls`,
+    worker 0 first) on its own zmq IO thread; the lanes of one client, used by one call at a
+    time."""
+
+    def __init__(self, urls: Sequence[str], security: Security, *, count: int,
                  max_frame_bytes: int, max_in_flight: int) -> None:
-        if isinstance(per_worker, bool) or not isinstance(per_worker, int) or per_worker < 1:
-            raise ValueError(f"connections must be an int >= 1, got {per_worker!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"connections must be an int >= 1, got {count!r}")
         start_zero_copy_collector()
         self.urls = list(urls)
-        self.per_worker = per_worker
-        count = per_worker * len(self.urls)
         self._context = zmq.Context(io_threads=count)
         self._threads: ThreadPoolExecutor | None = None
-        self.connections: list[Connection] = []
+        self.lanes: list[Lane] = []
         try:
             for lane in range(count):
-                self.connections.append(Connection(
-                    self.urls[lane // per_worker], security, context=self._context,
-                    io_thread=lane, max_frame_bytes=max_frame_bytes,
-                    max_in_flight=max_in_flight))
+                self.lanes.append(Lane([], max_in_flight))
+                for url in self.urls:
+                    self.lanes[-1].connections.append(Connection(
+                        url, security, context=self._context, io_thread=lane,
+                        max_frame_bytes=max_frame_bytes))
         except BaseException:
             self.close()
             raise
@@ -95,22 +193,19 @@ class Lanes:
                          if count > 1 else None)
 
     def __len__(self) -> int:
-        return len(self.connections)
+        return len(self.lanes)
 
     def exchange(self, requests: Sequence[Exchange], complete: Complete,
                  timeout_s: float) -> None:
-        """Run `requests` dealt over their workers' lanes (see Connection.exchange); returns
+        """Run `requests` dealt over the lanes by their blocks (see Lane.exchange); returns
         when every lane is done, so no lane reads or writes a pool slot after the call."""
-        shares = []
-        for worker in range(len(self.urls)):
-            shares += deal([r for r in requests if r.shard == worker], self.per_worker)
+        shares = deal(requests, len(self.lanes), lambda request: len(request.indices) or 1)
         running: list[Future[None]] = [
-            self._threads.submit(connection.exchange, share, complete, timeout_s)
-            for connection, share in zip(self.connections[1:], shares[1:], strict=True)
-            if share]
+            self._threads.submit(lane.exchange, share, complete, timeout_s)
+            for lane, share in zip(self.lanes[1:], shares[1:], strict=True) if share]
         try:
             if shares[0]:
-                self.connections[0].exchange(shares[0], complete, timeout_s)
+                self.lanes[0].exchange(shares[0], complete, timeout_s)
         finally:
             wait(running)
         for lane in running:
@@ -120,6 +215,7 @@ class Lanes:
         """Close every connection; frames not yet sent are dropped."""
         if self._threads is not None:
             self._threads.shutdown(wait=True)
-        for connection in self.connections:
-            connection.close()
+        for lane in self.lanes:
+            for connection in lane.connections:
+                connection.close()
         self._context.destroy(linger=0)

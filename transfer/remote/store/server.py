@@ -38,6 +38,7 @@ from transfer.remote.store.admission import (
     PeerGuard,
     buffer_budget,
 )
+from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.memory import BlockStore, StoredBlock
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
@@ -123,6 +124,7 @@ class StoreServer:
 
     def bind(self) -> str:
         """Set up security, bind, and return the bound endpoint (with the real port)."""
+        keep_received_memory()  # puts arrive in buffers zmq mallocs
         self._context = zmq.Context(io_threads=self._io_threads)
         sock = self._context.socket(zmq.ROUTER)
         try:
