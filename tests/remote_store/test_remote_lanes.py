@@ -36,7 +36,10 @@ OPTIONS = {"namespace": NS, "timeout_s": 30.0, "connections": LANES,
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreProcess]:
     log = tmp_path_factory.mktemp("lanes") / "store.log"
-    with StoreProcess(log, capacity="256MiB", extra_args=("--io-threads", "2")) as proc:
+    # One worker on any machine (the default is half the cores): the relay tests count the
+    # connections to it, a lane each.
+    with StoreProcess(log, capacity="256MiB",
+                      extra_args=("--io-threads", "2", "--workers", "1")) as proc:
         yield proc
 
 
