@@ -82,7 +82,12 @@ class Flood:
             self.sent += sum(len(f) for f in frames)
             self.messages += 1
             self.progress()
-        peer.abort()
+        # A store kept off the CPU may read (and drop) this peer only once all its messages are
+        # sent and it idles past three times its target: look for that hang-up before leaving.
+        if peer.hung_up(0.0 if self.hung_up else 10.0):
+            self.lost(peer)
+        else:
+            peer.abort()
 
     def garbage(self) -> None:
         rng = self.rng

@@ -5,12 +5,14 @@ test_remote_flood.py)."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import zmq
 
-from transfer.remote.store.admission import MAX_STRIKES, PeerGuard
+from transfer.remote.store import admission
+from transfer.remote.store.admission import CHECK_INTERVAL_S, MAX_STRIKES, PeerGuard
 from transfer.remote.store.security import Security
 from transfer.remote.store.server import StoreServer
 
@@ -126,6 +128,53 @@ def test_a_descriptor_reused_by_another_connection_is_never_shut_down(
     second.send(1)  # still connected
     first.client.close()
     second.close()
+
+
+def _stalled_reads(monkeypatch: pytest.MonkeyPatch, stall: Callable[[], None]) -> None:
+    """Each connection's count is read after `stall()`, as a check interrupted there would."""
+    read = admission._bytes_received
+
+    def stalled(fd: int, address: tuple[str, int] | None) -> int | None:
+        stall()
+        return read(fd, address)
+
+    monkeypatch.setattr(admission, "_bytes_received", stalled)
+
+
+def test_a_check_that_waits_for_a_core_does_not_postpone_the_next(
+        listener: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a busy machine the serving thread may wait for a core in the middle of a check. Counted
+    # in wall time, a 0.25 s wait put the next check 1.25 s away while a flood went on arriving
+    # (fresh-clone CI runs: a store 0.9 GiB over its capacity under 64 MiB frames).
+    guard = PeerGuard(budget_bytes=1 << 20)
+    links = [Link(listener) for _ in range(2)]
+    for link in links:
+        guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    _stalled_reads(monkeypatch, lambda: time.sleep(0.05))  # asleep: wall time, no CPU time
+    started = time.monotonic()
+    assert guard.check() == 0
+    assert time.monotonic() - started >= 0.1
+    assert guard.interval_s == CHECK_INTERVAL_S
+    for link in links:
+        link.close()
+
+
+def test_a_check_that_costs_cpu_time_runs_less_often(
+        listener: socket.socket, monkeypatch: pytest.MonkeyPatch) -> None:
+    # many connections: the check takes at most a fifth of the serving thread's CPU time
+    guard = PeerGuard(budget_bytes=1 << 20)
+    link = Link(listener)
+    guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+
+    def spin() -> None:
+        until = time.thread_time() + 0.02
+        while time.thread_time() < until:
+            pass
+
+    _stalled_reads(monkeypatch, spin)
+    assert guard.check() == 0
+    assert guard.interval_s >= 5 * 0.02
+    link.close()
 
 
 def test_a_budget_below_the_largest_request_is_refused() -> None:

@@ -36,7 +36,11 @@ RECEIVE_HWM = 4
 # may send before it is dropped; the reference client never sends one
 MAX_STRIKES = 16
 # How often the byte accounting runs (what arrives in between may pass the budget): every 10 ms,
-# or with many connections (~20 us each) so that it takes at most a fifth of the serving thread
+# or with many connections (~20 us each) so that it takes at most a fifth of the serving thread's
+# CPU time. The share is counted in the thread's CPU time, not wall time: on a busy machine the
+# thread may wait for a core in the middle of a check, and that wait must not postpone the next
+# one (it did, five-fold: a check preempted for 0.25 s put the next 1.2 s away while a flood went
+# on arriving).
 CHECK_INTERVAL_S = 0.01
 _CHECK_SHARE = 0.2
 _TCPI_BYTES_RECEIVED = struct.Struct("<Q")
@@ -135,7 +139,7 @@ class PeerGuard:
     def check(self) -> int:
         """Account each connection's bytes; drop the largest holders while over the budget.
         Returns how many were dropped."""
-        started = time.monotonic()
+        started = time.thread_time()
         for peer in list(self._peers.values()):
             received = _bytes_received(peer.fd, peer.address)
             if received is None:  # gone, or the descriptor now names another connection
@@ -154,7 +158,7 @@ class PeerGuard:
                              f"{total + peer.held} B for all peers, over the "
                              f"{self.budget_bytes} B budget")
             dropped += 1
-        self.interval_s = max(CHECK_INTERVAL_S, (time.monotonic() - started) / _CHECK_SHARE)
+        self.interval_s = max(CHECK_INTERVAL_S, (time.thread_time() - started) / _CHECK_SHARE)
         return dropped
 
     def _drop(self, peer: _Peer, why: str) -> None:
