@@ -113,10 +113,10 @@ class LoadPlanner:
             if any(counts[p - 1] < len(positions)
                    for positions, counts in zip(needed, runs, strict=True)):
                 continue
-            reads = sum(sums[r.stop - start] - sums[r.start - start]
-                        for r, sums in zip(needed, disk_sums, strict=True))
-            pinned = sum(map(len, needed)) - reads
-            if not reads or reads <= self.index.num_reclaimable - pinned:
+            from_disk = sum(sums[r.stop - start] - sums[r.start - start]
+                            for r, sums in zip(needed, disk_sums, strict=True))
+            pinned = sum(map(len, needed)) - from_disk
+            if not from_disk or from_disk <= self.index.num_reclaimable - pinned:
                 return p
         return 0
 

@@ -215,7 +215,7 @@ class OffloadWorker:
             return
         flush = set(step.flush)
         if any(is_store and job.job_id in flush for is_store, job in self._waiting):
-            self.disk.io.wait(list(self.disk.spilling))
+            self.disk.wait(spills_only=True)
             self._poll_disk()
         self.engine.wait(step.flush)
 
@@ -448,9 +448,9 @@ class OffloadWorker:
         """Block until every copy and store call in flight is done (results still come from
         `poll`; a fetched load starts there)."""
         if self.disk is not None:
-            self.disk.io.wait()
+            self.disk.wait()
             self._poll_disk()  # what waited behind spills starts
-            self.disk.io.wait()
+            self.disk.wait()
         for future in [f for _, f in self._fetching.values() if f is not None] + \
                 [f for f, _ in self._putting.values()]:
             with contextlib.suppress(CancelledError):

@@ -75,9 +75,13 @@ class WorkerDisk:
             if bad:
                 report.disk_bad[result.job_id] = bad
 
+    def wait(self, spills_only: bool = False) -> None:
+        """Block until the spills in flight (`spills_only`), or every disk job, are done."""
+        self.io.wait(list(self.spilling) if spills_only else None)
+
     def erase(self) -> None:
         """Forget every block on disk (reset_cache), after the writes in flight."""
-        self.io.wait()
+        self.wait()
         self.io.slab.erase()
 
     def count(self, report: JobReport) -> None:

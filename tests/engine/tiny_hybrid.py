@@ -25,9 +25,11 @@ QWEN3_NEXT_LAYERS = ("linear_attention", "full_attention") * 2
 QWEN3_NEXT_BLOCK_SIZE = 256
 
 
-def _randomize_and_save(model: object, path: Path, seed: int) -> str:
+def _randomize_and_save(model: object, path: str | Path, seed: int) -> str:
     import torch
 
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     with torch.no_grad():  # transformers' init leaves norms at 1 and some tensors at 0
         for name, param in model.named_parameters():
@@ -43,8 +45,6 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> str:
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = Gemma3TextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
         num_hidden_layers=len(GEMMA3_LAYERS), layer_types=list(GEMMA3_LAYERS),
@@ -60,8 +60,6 @@ def write_tiny_lfm2(path: str | Path, seed: int = 0) -> str:
     import torch
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = Lfm2Config(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
         num_hidden_layers=len(LFM2_LAYERS), layer_types=list(LFM2_LAYERS),
@@ -78,8 +76,6 @@ def write_tiny_qwen3_next(path: str | Path, seed: int = 0) -> str:
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     config = Qwen3NextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
         num_hidden_layers=len(QWEN3_NEXT_LAYERS), layer_types=list(QWEN3_NEXT_LAYERS),

@@ -122,7 +122,7 @@ class Connection:
                 self._sock.send(request.header, flags | _NOBLOCK)
                 break
             except zmq.Again:
-                self._wait(request.deadline, _POLLOUT)
+                self._wait_writable(request.deadline)
         # the rest of a multipart message never blocks: zmq admits messages whole
         for index, frame in enumerate(request.frames):
             more = _SNDMORE if index < len(request.frames) - 1 else 0
@@ -152,17 +152,17 @@ class Connection:
             while self._sock.get(_RCVMORE):  # frames nobody read
                 self._sock.recv(copy=False)
 
-    def _wait(self, deadline: float, event: int) -> None:
-        self._poller.register(self._sock, event)
+    def _wait_writable(self, deadline: float) -> None:
+        """Until a send can go (a live connection); replies are read by the lane's poller."""
+        self._poller.register(self._sock, _POLLOUT)
         while True:
             remaining_ms = math.ceil((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                what = "reply from" if event == _POLLIN else "connection to"
-                raise StoreError(f"no {what} the store at {self.url} within the timeout")
+                raise StoreError(f"no connection to the store at {self.url} within the timeout")
             ready = dict(self._poller.poll(remaining_ms))
             if self._monitor in ready:
                 self.read_monitor(raise_failures=True)
-            if ready.get(self._sock, 0) & event:
+            if ready.get(self._sock, 0) & _POLLOUT:
                 return
 
     def read_monitor(self, raise_failures: bool) -> None:

@@ -21,11 +21,8 @@ def failed(count: int, error: str) -> TransferResult:
 
 
 def checked(row: Any, key: bytes, checksum: int) -> tuple[BlockStatus, str]:
-    return verdict(block_checksum(row, key) == checksum)
-
-
-def verdict(matches: bool) -> tuple[BlockStatus, str]:
-    if matches:
+    """A received block's status: OK only where its bytes match the checksum sent with it."""
+    if block_checksum(row, key) == checksum:
         return BlockStatus.OK, ""
     return BlockStatus.CORRUPT, "the bytes received do not match their checksum"
 
