@@ -13,6 +13,10 @@ Ordering and back-pressure:
 - stores in flight are bounded by `max_store_bytes`: past it a store is dropped whole before any
   byte moves (submit returns False, get_finished reports it not ok); loads are never dropped;
 - nothing here blocks the caller except `wait` and `close`.
+Row sums (transfer/copy/row_sums.py), where the blocks are one segment of whole 32-bit words
+(`can_sum`): a store with `sums=True` reports the sums of its blocks once copied; a load with
+`expect` is checked on the way (staged, summed, compared) and only its leading blocks that
+match reach the GPU (`TransferResult.good`).
 Bad input raises ValueError before any byte moves. Call from one thread (the worker's).
 """
 
@@ -27,19 +31,25 @@ import torch
 
 from transfer.copy.base import Completion, CopyBackend, Lane, RowCopy, Segment
 from transfer.copy.factory import make_backend
+from transfer.copy.row_sums import to_int64, to_unsigned
 
 DEFAULT_MAX_STORE_BYTES = 2 << 30  # ~40 ms of stores at PCIe Gen5 x16 speed
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    """One finished job: `nbytes` moved in `seconds` of copy time (0 and 0.0 when not ok)."""
+    """One finished job: `nbytes` moved in `seconds` of copy time (0 and 0.0 when not ok; a
+    checked load's: the blocks that matched).
+    `sums`: a summed store's block sums (unsigned 64-bit); `good`: a checked load's leading
+    blocks that matched and were copied (None: not a checked load, or not ok)."""
 
     job_id: int
     ok: bool
     nbytes: int
     seconds: float
     is_store: bool
+    sums: tuple[int, ...] = ()
+    good: int | None = None
 
 
 @dataclass
@@ -76,6 +86,8 @@ class TransferEngine:
         self.num_gpu_blocks = int(self.segments[0].gpu.shape[0])
         self.num_slots = int(self.segments[0].host.shape[0])
         self.block_bytes = sum(seg.nbytes for seg in self.segments)
+        # Row sums need a block in one piece, of whole 32-bit words.
+        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0
         self.max_store_bytes = max_store_bytes
         self.backend = backend or make_backend("auto", self.segments[0].gpu.device)
         self.backend.check(self.segments)
@@ -90,17 +102,35 @@ class TransferEngine:
 
     # -- verbs -----------------------------------------------------------------------------
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor,
-                     slot_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
+                     slot_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
+                     sums: bool = False) -> bool:
         """Queue GPU blocks -> pool slots; False when dropped under pressure (nothing copied).
 
         The copy sees everything the caller's current stream had queued before this call.
+        `sums`: the job also sums its blocks once copied (`TransferResult.sums`).
         """
-        return self._submit(job_id, True, gpu_block_ids, slot_ids)
+        if sums:
+            self._check_can_sum(job_id)
+        return self._submit(job_id, True, gpu_block_ids, slot_ids, take_sums=sums)
 
     def submit_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
-                    gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
-        """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU."""
-        return self._submit(job_id, False, gpu_block_ids, slot_ids)
+                    gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
+                    expect: Sequence[int] | None = None) -> bool:
+        """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU.
+
+        `expect`: each block's sum (unsigned 64-bit, as a summed store reported it); then only
+        the leading blocks whose slots match are copied (`TransferResult.good`), the others'
+        GPU blocks keep their bytes.
+        """
+        expected = None
+        if expect is not None:
+            self._check_can_sum(job_id)
+            try:
+                expected = to_int64(list(expect))
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"job {job_id}: expected sums must be unsigned 64-bit ints, "
+                                 f"got {list(expect)[:4]!r}...: {exc}") from None
+        return self._submit(job_id, False, gpu_block_ids, slot_ids, expect=expected)
 
     def check_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
                    gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:
@@ -118,9 +148,12 @@ class TransferEngine:
             del self._jobs[job_id]
             if job.spare:
                 self._spare.append(job.lane)
-            ok = job.completion.ok
-            results.append(TransferResult(job_id, ok, job.nbytes if ok else 0,
-                                          job.completion.seconds if ok else 0.0, job.is_store))
+            ok, sums, good = job.completion.ok, job.completion.sums, job.completion.good
+            nbytes = job.nbytes if good is None else good * self.block_bytes  # bytes that landed
+            results.append(TransferResult(job_id, ok, nbytes if ok else 0,
+                                          job.completion.seconds if ok else 0.0, job.is_store,
+                                          () if sums is None else tuple(to_unsigned(sums)),
+                                          good))
         return results
 
     def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> bool:
@@ -155,8 +188,15 @@ class TransferEngine:
                    if j.is_store and not j.completion.done())
 
     # -- internals -------------------------------------------------------------------------
+    def _check_can_sum(self, job_id: int) -> None:
+        if not self.can_sum:
+            raise ValueError(f"job {job_id}: row sums need blocks of one segment of whole 32-bit "
+                             f"words; these blocks are {len(self.segments)} segment(s) of "
+                             f"{self.block_bytes} bytes")
+
     def _submit(self, job_id: int, is_store: bool, gpu_block_ids: object,
-                slot_ids: object) -> bool:
+                slot_ids: object, take_sums: bool = False,
+                expect: np.ndarray | None = None) -> bool:
         if self._closed:
             raise RuntimeError("the transfer engine is closed")
         if not isinstance(job_id, int) or isinstance(job_id, bool):
@@ -164,6 +204,8 @@ class TransferEngine:
         if job_id in self._jobs or job_id in self._dropped:
             raise ValueError(f"job id {job_id} is still in flight or unreported")
         gpu, slots = self._checked_ids(job_id, is_store, gpu_block_ids, slot_ids)
+        if expect is not None and expect.shape != slots.shape:
+            raise ValueError(f"job {job_id}: {len(expect)} expected sums for {len(slots)} slots")
         nbytes = len(gpu) * self.block_bytes
         if is_store:
             inflight = self.inflight_store_bytes
@@ -181,8 +223,8 @@ class TransferEngine:
         # (async scheduling runs the CPU a step ahead) may still read.
         if (marker := self.backend.mark_compute()) is not None:
             after.append(marker)
-        copy = (RowCopy(job_id, self._store_pairs, gpu, slots) if is_store
-                else RowCopy(job_id, self._load_pairs, slots, gpu))
+        copy = (RowCopy(job_id, self._store_pairs, gpu, slots, take_sums=take_sums) if is_store
+                else RowCopy(job_id, self._load_pairs, slots, gpu, expect=expect))
         completion = lane.submit(copy, after)
         self._jobs[job_id] = _Job(job_id, is_store, nbytes, gpu_set, slot_set, completion, lane,
                                   spare)

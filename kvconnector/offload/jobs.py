@@ -24,7 +24,9 @@ class TransferJob:
     A shared pool's blocks carry checksums (transfer/shared/checks.py): `checked` are the keys
     of the job's first len(checked) slots; a store hashes each worker's part of them and reports
     it (`JobReport.sums`); a load checks each worker's part against `sums` (per block, one
-    checksum per rank) and fails from the first block that differs.
+    checksum per rank) and fails from the first block that differs. `row_sums`: per block, one
+    row sum per rank (transfer/copy/row_sums.py), where the block was committed with them; a
+    worker whose copy engine sums rows checks those on the way instead.
     """
 
     job_id: int
@@ -38,6 +40,7 @@ class TransferJob:
     pool: str = ""
     checked: tuple[bytes, ...] = ()
     sums: tuple[tuple[int, ...], ...] = ()
+    row_sums: tuple[tuple[int, ...], ...] = ()
 
     @property
     def fetch_slots(self) -> tuple[int, ...]:
@@ -100,7 +103,8 @@ class JobReport:
     disk_read_seconds: float = 0.0
     disk_write_bytes: int = 0
     disk_write_seconds: float = 0.0
-    sums: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # store -> rank -> sums
+    # store -> rank -> its blocks' xxh3s, then their row sums where taken (protocol.block_sums)
+    sums: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     checksum_failures: int = 0  # loads refused: a shared pool block's checksum differed
 
     def merged(self, other: JobReport) -> JobReport:

@@ -29,6 +29,7 @@ from kvconnector.offload.records import Job, Lookup, OffloadCounters, RequestSta
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import Namespace, block_hash_bytes
 from transfer.shared.client import SharedIndex
+from transfer.shared.protocol import split_sums
 
 
 class LoadPlanner:
@@ -192,7 +193,11 @@ class LoadPlanner:
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, disk_keys, fetch_keys = [], [], []
         slots, fail = ([], True) if plan is None else (list(plan.slots), False)
-        sums = () if plan is None or not self.checked else tuple(map(tuple, plan.sums))
+        split = [] if plan is None or not self.checked else \
+            [split_sums(s, self.num_workers) for s in plan.sums]
+        sums, row_sums = tuple(h for h, _ in split), tuple(r for _, r in split)
+        if not all(row_sums):
+            row_sums = ()  # checked by xxh3 unless every block carries row sums
         disk_slots = []
         if disk_keys or fetch_keys:
             # Read and fetched blocks land in slots reserved as stores: nothing else reads or
@@ -212,7 +217,7 @@ class LoadPlanner:
         self._step.loads.append(TransferJob(job_id, req_id, tuple(destination), tuple(slots),
                                             tuple(fetch_keys), fail, tuple(disk_keys),
                                             tuple(disk_slots), self.index.segment,
-                                            tuple(keys) if sums else (), sums))
+                                            tuple(keys) if sums else (), sums, row_sums))
         return cpu_blocks, disk_blocks, remote_blocks
 
     def _group_load(self, block_hashes: Sequence[bytes], tables: Sequence[Sequence[int]],

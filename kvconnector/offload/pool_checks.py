@@ -1,8 +1,11 @@
 """A worker's checksums of a shared pool's blocks, job by job (transfer/shared/checks.py).
 
 A store is hashed once its copy is done and reported with its checksums (the scheduler commits
-it with every rank's); a load's blocks are checked before they are copied, chunk by chunk
-(`loads`: checked_loads.py), and the load is reported once its checks and copies are done;
+it with every rank's); where the copy engine sums rows (`TransferEngine.can_sum`), the store
+also reports its blocks' row sums (transfer/copy/row_sums.py), taken by the copy engine, and a
+load whose blocks all carry them is checked on the way by the engine (`expected`); else a
+load's blocks are checked before they are copied, chunk by chunk (`loads`: checked_loads.py),
+and the load is reported once its checks and copies are done;
 blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in the pool
 with their checksums (a disk read's, verified there, are taken as they are). This worker's part
 of every slot is `rows`; its checksum is entry `rank` of each block's per-rank list.
@@ -17,6 +20,7 @@ import torch
 
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
+from transfer.engine import TransferEngine, TransferResult
 from transfer.shared.checks import SlotChecker
 
 
@@ -27,6 +31,7 @@ class PoolChecks:
         self.rank = rank
         self.checker = SlotChecker()
         self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
+        self._row_sums: dict[int, tuple[int, ...]] = {}  # store being hashed -> its row sums
         self._hashing: dict[int, Future[list[int]]] = {}  # store copied -> its checksums
         self.loads = CheckedLoads(self.checker, rank)
         self._fetched: dict[int, Future[list[int]]] = {}  # load -> its fetched blocks' sums
@@ -37,25 +42,38 @@ class PoolChecks:
         if job.checked:
             self._stores[job.job_id] = (job.checked, job.slots)
 
-    def store_copied(self, job_id: int, ok: bool, rows: torch.Tensor) -> bool:
+    def store_copied(self, result: TransferResult, rows: torch.Tensor) -> bool:
         """True when the store is being hashed now (reported by `hashed`); False: report it."""
-        checked = self._stores.pop(job_id, None)
-        if not ok or checked is None:
+        checked = self._stores.pop(result.job_id, None)
+        if not result.ok or checked is None:
             return False
         keys, slots = checked
-        self._hashing[job_id] = self.checker.hash(rows, slots, keys)
+        self._hashing[result.job_id] = self.checker.hash(rows, slots, keys)
+        self._row_sums[result.job_id] = result.sums
         return True
 
     def hashed(self) -> list[tuple[int, list[int] | None]]:
-        """Stores hashed since the last call: (job, checksums; None when hashing failed)."""
+        """Stores hashed since the last call: (job, checksums; None when hashing failed). The
+        checksums are the blocks' xxh3s, then their row sums where the copy took them."""
         out = []
         for job_id, future in list(self._hashing.items()):
             if future.done():
                 del self._hashing[job_id]
-                out.append((job_id, None if future.exception() else future.result()))
+                row_sums = self._row_sums.pop(job_id)
+                out.append((job_id, None if future.exception() else
+                            future.result() + list(row_sums)))
         return out
 
     # ---- loads ----------------------------------------------------------------------------
+
+    def expected(self, job: TransferJob, head: int, engine: TransferEngine) -> list[int] | None:
+        """This rank's row sums of the job's first `head` blocks, when the engine checks them on
+        the way: every one of them is checked and carries them (else None: checked here)."""
+        if not engine.can_sum or head == 0 or len(job.checked) < head or \
+                len(job.row_sums) < head:
+            return None
+        sums = [s[self.rank] if self.rank < len(s) else None for s in job.row_sums[:head]]
+        return None if None in sums else sums
 
     def fetched(self, job: TransferJob, rows: torch.Tensor,
                 read: Sequence[int | None] = ()) -> None:
@@ -86,10 +104,14 @@ class PoolChecks:
         fetched = self._fetched.get(job_id)
         return fetched is None or fetched.done()
 
-    def load_result(self, job_id: int, copied: bool) -> tuple[int | None, list[int] | None]:
-        """(leading good blocks when a check failed, else None; the fetched blocks' checksums
-        when the copy and their hashing succeeded, else None)."""
+    def load_result(self, result: TransferResult,
+                    blocks: int) -> tuple[int | None, list[int] | None]:
+        """(leading good blocks of the load's `blocks` when a check failed, else None; the
+        fetched blocks' checksums when the copy and their hashing succeeded, else None)."""
+        job_id, copied = result.job_id, result.ok
         good, fetched = self.loads.take_good(job_id), self._fetched.pop(job_id, None)
+        if good is None and result.good is not None and result.good < blocks:
+            good = result.good  # checked on the way by the engine
         sums = None
         if fetched is not None and copied and fetched.exception() is None:
             sums = fetched.result()

@@ -47,6 +47,7 @@ from kvconnector.offload.records import Job, OffloadCounters, Put, RequestState
 from transfer.block_index import BlockIndex
 from transfer.keys import Namespace
 from transfer.shared.client import SharedIndex
+from transfer.shared.protocol import block_sums
 
 __all__ = ["OffloadCounters", "OffloadScheduler"]
 
@@ -310,9 +311,9 @@ class OffloadScheduler(LoadPlanner):
         if plan is None:
             return
         sums = None
-        if self.checked:
-            sums = [list(s) for s in zip(*(job.sums[r] for r in range(self.num_workers)),
-                                         strict=True)]
+        if self.checked:  # the xxh3s: what disk footers carry
+            sums = [list(s) for s in zip(*(job.sums[r][:len(job.keys)]
+                                           for r in range(self.num_workers)), strict=True)]
         written = self._spill(job.keys, plan.slots, pinned=True, sums=sums)
         if len(written) < len(job.keys):
             self.index.complete_load([k for k in job.keys if k not in written])
@@ -321,9 +322,10 @@ class OffloadScheduler(LoadPlanner):
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;
         True when it failed (a rank's are missing: such a block could never be checked)."""
         ranks = [by_rank.get(rank) for rank in range(self.num_workers)]
-        failed = any(sums is None or len(sums) != len(keys) for sums in ranks)
+        failed = any(sums is None or len(sums) not in (len(keys), 2 * len(keys))
+                     for sums in ranks)
         if live:
-            sums = None if failed else [list(s) for s in zip(*ranks, strict=True)]
+            sums = None if failed else block_sums(ranks, len(keys))
             self.index.complete_store(keys, not failed, sums)
         return failed
 

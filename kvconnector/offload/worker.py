@@ -258,7 +258,12 @@ class OffloadWorker:
         """Copy the job's first `head` slots into its first `head` blocks; the shared pool's
         blocks among them only once checked."""
         # Submit (or check the ids) first: bad input raises before anything is registered here.
-        if self.checks is None or not self.checks.loads.start(job, head, self._rows, self.engine):
+        expect = None if self.checks is None else self.checks.expected(job, head, self.engine)
+        if expect is not None:  # checked on the way, by row sums
+            self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head],
+                                    expect=expect)
+        elif self.checks is None or \
+                not self.checks.loads.start(job, head, self._rows, self.engine):
             self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head])
         self._loads[job.job_id] = (job.req_id, job.block_ids[:head])
 
@@ -278,7 +283,9 @@ class OffloadWorker:
 
     def _submit_store(self, job: TransferJob) -> None:
         # A dropped store (False) still reaches get_finished, as failed: it is registered.
-        self.engine.submit_store(job.job_id, job.block_ids, job.slots)
+        self.engine.submit_store(job.job_id, job.block_ids, job.slots,
+                                 sums=self.checks is not None and bool(job.checked)
+                                 and self.engine.can_sum)
         if self.checks is not None:  # hashed once copied
             self.checks.store_submitted(job)
         if job.keys and self.remote is not None:
@@ -336,7 +343,7 @@ class OffloadWorker:
         those; only the blocks before it were copied)."""
         if self.checks is None:
             return result, tail
-        good, sums = self.checks.load_result(result.job_id, result.ok)
+        good, sums = self.checks.load_result(result, len(self._loads[result.job_id][1]))
         if sums is not None:
             self._report.sums[result.job_id] = {self.shared.rank: sums}
         if good is None:
@@ -359,7 +366,7 @@ class OffloadWorker:
         """A store's copy ended: a shared pool's is hashed before it is reported done
         (`_poll_hashes`), so the scheduler commits it with its checksums."""
         report, job_id = self._report, result.job_id
-        if self.checks is None or not self.checks.store_copied(job_id, result.ok, self._rows):
+        if self.checks is None or not self.checks.store_copied(result, self._rows):
             (report.done if result.ok else report.failed)[job_id] = 1
             del self._stores[job_id]
         if result.ok and job_id in self._put_keys and self.remote.writes:

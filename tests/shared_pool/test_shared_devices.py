@@ -28,6 +28,9 @@ from pool_sides import (
 )
 
 from kvconnector.offload import checked_loads
+from kvconnector.offload.pool_checks import PoolChecks
+from transfer.copy import base
+from transfer.shared.checks import SlotChecker
 from transfer.pool import HostPool
 from transfer.shared.testing import PoolProcess
 
@@ -82,14 +85,22 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str,
+@pytest.mark.parametrize("checks", ["row sums", "xxh3"])
+def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str, checks: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both checks a load may take: row sums on the way, by the copy engine, through staging
+    buffers of 2 blocks; or, where its blocks lack row sums, xxh3 on the checker threads, in
+    chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7 chunks."""
     writer = Child(writer_child, pool.name)
     reader = Side(pool.name, device=device)
     try:
         row = reader.rows.shape[1]
-        # Chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7.
+        monkeypatch.setattr(base, "STAGE_BYTES", 2 * row)
         monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)
+        if checks == "xxh3":  # as for blocks committed without row sums
+            monkeypatch.setattr(PoolChecks, "expected", lambda *_: None)
+        else:  # the copy engine checks them: the checker threads never do
+            monkeypatch.setattr(SlotChecker, "verify", _never)
         assert writer.ask(("store", "m", 12, 31)) == "stored"
         want = fill(torch.empty(12, row, dtype=torch.uint8), list(range(12)), 31)
         blocks = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5]
@@ -116,3 +127,7 @@ def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str
     finally:
         writer.kill()
         reader.close()
+
+
+def _never(*args: object) -> None:
+    raise AssertionError("a load with row sums was checked by xxh3")

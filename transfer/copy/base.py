@@ -4,7 +4,10 @@ A `Segment` pairs a 2-D uint8 GPU tensor (rows = GPU block ids) with a 2-D uint8
 (rows = pool slots) of the same row bytes. A block-major cache has one segment (whole blocks, one
 copy per block); the fallback for other caches has one per layer (one copy per layer per block).
 A `RowCopy` is one job over all segments: row `src_rows[i]` -> row `dst_rows[i]` of each, issued
-as one batch.
+as one batch. With one segment it may also carry row sums (transfer/copy/row_sums.py): a store's
+`take_sums` sums its GPU rows once copied; a load's `expect` goes through a staging copy first,
+and only its leading rows whose sums match go on into the GPU rows (`Completion.good` says how
+many).
 
 A `Lane` runs row copies in submission order (a CUDA stream, or a worker thread on CPU), each
 after the `Completion`s it names; `submit` returns a Completion at once and never blocks.
@@ -24,6 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from transfer.copy.row_sums import checked_copy, row_sums
+
+# A checked load goes through staging buffers of this many bytes of rows (the last rows of a
+# buffer copy on while the next buffer fills); STAGE_BUFFERS of them on a GPU.
+STAGE_BYTES = 32 << 20
+STAGE_BUFFERS = 3
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class RowCopy:
     pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     src_rows: np.ndarray  # int64
     dst_rows: np.ndarray  # int64
+    take_sums: bool = False  # a store: the row sums of its GPU rows, once copied
+    expect: np.ndarray | None = None  # a load: each row's sum (int64), checked before it lands
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +90,25 @@ class RowCopy:
             for s, d in zip(src_rows, dst_rows, strict=True):
                 dst[d].copy_(src[s])
 
+    def run_summed(self) -> tuple[np.ndarray | None, int | None]:
+        """Run the copy on host tensors with its sums: (a store's row sums, a checked load's
+        good rows). A checked load stages STAGE_BYTES of rows at a time, as a GPU does."""
+        if self.expect is None:
+            self.run_rows()
+            if not self.take_sums:
+                return None, None
+            gpu = self.pairs[0][0]
+            return row_sums(gpu, torch.from_numpy(self.src_rows)).numpy(), None
+        (host, gpu), = self.pairs
+        per = max(1, STAGE_BYTES // int(host.shape[1]))
+        run, good = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        expect, dst_rows = torch.from_numpy(self.expect), torch.from_numpy(self.dst_rows)
+        for start in range(0, len(self.src_rows), per):
+            end = min(start + per, len(self.src_rows))
+            stage = host.index_select(0, torch.from_numpy(self.src_rows[start:end]))
+            checked_copy(stage, expect[start:end], gpu, dst_rows[start:end], run, good)
+        return None, int(good)
+
 
 class Completion(ABC):
     """The end of one submitted copy (or a point in the compute stream a copy must follow)."""
@@ -99,6 +130,17 @@ class Completion(ABC):
     @abstractmethod
     def seconds(self) -> float:
         """How long the copy itself ran (0.0 when it failed)."""
+
+    @property
+    def sums(self) -> np.ndarray | None:
+        """A store's row sums (int64, per row), once ok; None for other copies."""
+        return None
+
+    @property
+    def good(self) -> int | None:
+        """A checked load's leading rows that matched their sums and were copied (the rest were
+        not written), once ok; None for other copies."""
+        return None
 
 
 class Lane(ABC):
@@ -144,9 +186,12 @@ class ThreadCompletion(Completion):
         self._event = threading.Event()
         self._ok = False
         self._seconds = 0.0
+        self._sums: np.ndarray | None = None
+        self._good: int | None = None
 
-    def finish(self, ok: bool, seconds: float = 0.0) -> None:
-        self._ok, self._seconds = ok, seconds
+    def finish(self, ok: bool, seconds: float = 0.0, sums: np.ndarray | None = None,
+               good: int | None = None) -> None:
+        self._ok, self._seconds, self._sums, self._good = ok, seconds, sums, good
         self._event.set()
 
     def done(self) -> bool:
@@ -162,6 +207,14 @@ class ThreadCompletion(Completion):
     @property
     def seconds(self) -> float:
         return self._seconds
+
+    @property
+    def sums(self) -> np.ndarray | None:
+        return self._sums if self.ok else None
+
+    @property
+    def good(self) -> int | None:
+        return self._good if self.ok else None
 
 
 class _ThreadLane(Lane):
@@ -184,7 +237,7 @@ class _ThreadLane(Lane):
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             copy, after, done = item
-            ok, seconds = False, 0.0
+            ok, seconds, sums, good = False, 0.0, None, None
             try:
                 for prior in after:
                     prior.wait()
@@ -192,11 +245,11 @@ class _ThreadLane(Lane):
                     if self._gate is not None:
                         self._gate(copy.job_id)
                     start = time.perf_counter()
-                    copy.run_rows()
+                    sums, good = copy.run_summed()
                     ok, seconds = True, time.perf_counter() - start
             except Exception:  # a failed copy is reported as not ok; the lane keeps running
                 ok = False
-            done.finish(ok, seconds)
+            done.finish(ok, seconds, sums, good)
 
 
 class ThreadBackend(CopyBackend):

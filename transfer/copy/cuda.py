@@ -33,6 +33,7 @@ from transfer.copy.cuda_driver import (
     BatchCopy,
     MemcpyAttributes,
 )
+from transfer.copy.cuda_sums import LaneSums
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class CudaCompletion(Completion):
     """The end event of a job on a lane (and its start event, for timing)."""
 
     def __init__(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, sums: torch.Tensor | None = None,
+                 good: torch.Tensor | None = None) -> None:
         self.start, self.end, self.error = start, end, error
+        self._sums, self._good = sums, good  # pinned, written by the job's end
         # A job that failed part-way may have queued copies before the failure: it is done only
         # when its end event is (nothing may reuse its blocks or slots earlier). Done at once
         # only when nothing was queued.
@@ -102,16 +105,29 @@ class CudaCompletion(Completion):
             return 0.0
         return self.start.elapsed_time(self.end) / 1e3
 
+    @property
+    def sums(self) -> np.ndarray | None:
+        return self._sums.numpy() if self._sums is not None and self.ok else None
+
+    @property
+    def good(self) -> int | None:
+        return int(self._good[0]) if self._good is not None and self.ok else None
+
+
+def _new_stream(device: torch.device) -> tuple[object, torch.cuda.ExternalStream]:
+    rt = _runtime()
+    with torch.cuda.device(device):
+        err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        _check(err, "cudaStreamCreateWithFlags")
+    return handle, torch.cuda.ExternalStream(int(handle), device=device)
+
 
 class _StreamLane(Lane):
     def __init__(self, backend: _CudaBackend) -> None:
         self._backend = backend
-        rt = _runtime()
-        with torch.cuda.device(backend.device):
-            err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
-            _check(err, "cudaStreamCreateWithFlags")
-        self._handle = handle
-        self.stream = torch.cuda.ExternalStream(int(handle), device=backend.device)
+        self._handle, self.stream = _new_stream(backend.device)
+        self._sums: LaneSums | None = None  # its second stream, made at the first summed job
+        self._sums_handle: object = None
 
     def submit(self, copy: RowCopy, after: Sequence[Completion]) -> Completion:
         if any(prior.done() and not prior.ok for prior in after):
@@ -124,19 +140,35 @@ class _StreamLane(Lane):
                 self.stream.wait_event(prior.end)  # type: ignore[attr-defined]
             start.record(self.stream)
             error: BaseException | None = None
+            sums = good = None
             try:
-                self._backend.issue(copy, self.stream)
+                if copy.expect is not None:
+                    good = self._summing().issue_load(copy, self.stream, self._backend.issue, end)
+                else:
+                    self._backend.issue(copy, self.stream)
+                    if copy.take_sums:
+                        sums = self._summing().issue_store(copy, self.stream, end)
             except Exception as exc:  # reported as a failed job, never raised into the step
                 log.error("job %s: issuing %d copies failed: %s", copy.job_id,
                           len(copy.src_rows) * len(copy.pairs), exc)
                 error = exc
-            end.record(self.stream)
-        return CudaCompletion(start, end, error)
+            if error is not None and self._sums is not None:
+                self.stream.wait_stream(self._sums.stream)  # what was queued there ends first
+            if error is not None or (sums is None and good is None):
+                end.record(self.stream)
+        return CudaCompletion(start, end, error, sums, good)
+
+    def _summing(self) -> LaneSums:
+        if self._sums is None:
+            self._sums_handle, stream = _new_stream(self._backend.device)
+            self._sums = LaneSums(self._backend.device, stream)
+        return self._sums
 
     def close(self) -> None:
-        if self._handle is not None:
-            _runtime().cudaStreamDestroy(self._handle)
-            self._handle = None
+        for handle in (self._handle, self._sums_handle):
+            if handle is not None:
+                _runtime().cudaStreamDestroy(handle)
+        self._handle = self._sums_handle = None
 
 
 class _CudaBackend(CopyBackend):

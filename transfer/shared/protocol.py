@@ -23,9 +23,9 @@ LOOKUP = "lookup"  # (keys) -> length of the stored prefix
 PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields, in order
 PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, per-rank checksums], all pinned; None when
 #                                one is not stored
-CHECKSUMS = "checksums"  # (keys) -> per key: the per-rank xxh3-64s it was committed with, or None
+CHECKSUMS = "checksums"  # (keys) -> per key: the checksums it was committed with, or None
 STATS = "stats"  # () -> dict
-COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its per-rank checksums)
+COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
@@ -47,6 +47,23 @@ class PoolInfo:
 
     def as_list(self) -> list[object]:
         return [self.segment, self.num_slots, self.slot_bytes]
+
+
+def block_sums(by_rank: list[list[int]], blocks: int) -> list[list[int]]:
+    """A commit's checksums, per block, from each rank's list: the xxh3-64 of every rank's part
+    (its first `blocks` entries), then every rank's row sum (transfer/copy/row_sums.py) where
+    every rank took them (its next `blocks`). The daemon keeps the lists as they are."""
+    host = [list(s) for s in zip(*(sums[:blocks] for sums in by_rank), strict=True)]
+    if all(len(sums) == 2 * blocks for sums in by_rank):
+        rows = zip(*(sums[blocks:] for sums in by_rank), strict=True)
+        return [h + list(r) for h, r in zip(host, rows, strict=True)]
+    return host
+
+
+def split_sums(sums: list[int], ranks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A block's committed checksums (`block_sums`) of an engine of `ranks` ranks -> (per-rank
+    xxh3-64s, per-rank row sums or ())."""
+    return tuple(sums[:ranks]), tuple(sums[ranks:2 * ranks]) if len(sums) == 2 * ranks else ()
 
 
 def check_name(name: str) -> str:
