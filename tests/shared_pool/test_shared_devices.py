@@ -30,8 +30,8 @@ from pool_sides import (
 from kvconnector.offload import checked_loads
 from kvconnector.offload.pool_checks import PoolChecks
 from transfer.copy import base
-from transfer.shared.checks import SlotChecker
 from transfer.pool import HostPool
+from transfer.shared.checks import SlotChecker
 from transfer.shared.testing import PoolProcess
 
 DEVICES = [pytest.param("cpu", id="cpu"),

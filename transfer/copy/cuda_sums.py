@@ -2,11 +2,12 @@
 
 Each lane that sums gets a second stream of its own, so its copies never wait for a sum:
 - a store's rows are summed on it once the lane has copied them (the job ends there);
-- a checked load is DMA'd chunk by chunk into STAGE_BUFFERS staging buffers (transfer.copy.base) on the lane's
-  stream; the second stream sums each chunk as it lands and copies its leading good rows on
-  into the cache (`checked_copy`), while the lane fills the next buffer. A buffer is filled
-  again only once its rows went on. The host queues the whole job at submit and never waits:
-  the good count comes back through pinned memory by the job's end event.
+- a checked load is DMA'd chunk by chunk into STAGE_BUFFERS staging buffers of STAGE_BYTES
+  (transfer.copy.base) on the lane's stream; the second stream sums each chunk as it lands and
+  copies its leading good rows on into the cache (`checked_copy`), while the lane fills the
+  next buffer. A buffer is filled again only once its rows went on. The host queues the whole
+  job at submit and never waits: the good count comes back through pinned memory by the job's
+  end event.
 Nothing here is imported without CUDA (transfer.copy.cuda imports it).
 """
 
