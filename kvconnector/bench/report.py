@@ -75,19 +75,23 @@ def _print_shared(shared: dict[str, Any] | None, console: Any) -> None:
         return
     st = Table(title="shared host pool: blocks another process stored, loaded into this "
                      "process's cache straight from the pool's slots",
-               caption="load GB/s (ratio of the same-run one-way ceiling); both: the writer "
+               caption="load GB/s (ratio of the same-run one-way ceiling), checked by row sums "
+                       "on the way (what GPU engines do) and by xxh3 on threads (blocks without "
+                       "row sums); both: the writer "
                        "storing while this process loads (ratio of the bidirectional ceiling); "
                        "metadata us per block, client side: lookup + pin + unpin (load), "
                        "allocate + commit (store)")
-    for col in ("case", "block", "blocks", "writer store", "load", "both", "load meta us",
-                "store meta us"):
+    for col in ("case", "block", "blocks", "writer store", "load", "load by xxh3", "both",
+                "load meta us", "store meta us"):
         st.add_column(col, justify="left" if col == "case" else "right")
     for row in shared["rows"]:
         if "error" in row:
-            st.add_row(row["case"], "", "", f"[red]failed: {row['error']}[/]", "", "", "", "")
+            st.add_row(row["case"], "", "", f"[red]failed: {row['error']}[/]", "", "", "", "",
+                       "")
             continue
         st.add_row(row["case"], format_bytes(row["block_bytes"]), str(row["blocks"]),
                    f"{row['store_gbps']:.2f}", f"{row['load_gbps']:.2f} ({row['load_ratio']:.2f})",
+                   f"{row['xxh3_load_gbps']:.2f} ({row['xxh3_load_ratio']:.2f})",
                    f"{row['bidir_gbps']:.2f} ({row['bidir_ratio']:.2f})",
                    f"{row['load_meta_us']:.2f}", f"{row['store_meta_us']:.2f}")
     console.print(st)

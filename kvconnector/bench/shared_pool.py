@@ -4,16 +4,17 @@ A `kvconnector pool serve` daemon (a child process) owns the pool; a writer engi
 process with its own cache, its own mapping of the pool and its own connection) stores n random
 blocks into it by DMA; this process looks them up, pins them and loads them into its own cache
 by DMA, straight from the shared slots, each block only once its checksum matched, as an engine
-does (kvconnector/offload/checked_loads.py: chunks of ~128 MiB checked on threads, chunk k copied
-while the next ones are checked). The writer stores a set as WRITER_JOBS
-jobs, as an engine stores one job per request, and hashes each job's blocks once copied while
-the next ones copy: its store time runs until every block is hashed (what a commit needs).
-Rates are held against the same-run ceilings: the load against the one-way host -> device copy;
-both directions at once (the writer storing a second set while this process loads the first)
-against the bidirectional ceiling; `check_gbps`: the checks alone (no copy), the rate a checked
-load cannot exceed. Metadata cost per
-block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
-client's side, per block of a batch of n.
+does: by its row sums, checked on the way by the copy engine (transfer/copy/row_sums.py: staged,
+summed and copied on by the GPU; `load_gbps`), and, as for blocks that carry no row sums, by
+xxh3 on the checker threads (kvconnector/offload/checked_loads.py; `xxh3_load_gbps`). The writer
+stores a set as WRITER_JOBS jobs, as an engine stores one job per request, each summed by its
+copy engine and hashed once copied while the next ones copy: its store time runs until every
+block is hashed (what a commit needs).
+Rates are held against the same-run ceilings: the loads against the one-way host -> device
+copy; both directions at once (the writer storing a second set while this process loads the
+first, by row sums) against the bidirectional ceiling. Metadata cost per block: lookup + pin +
+unpin (a load's round trips), and allocate + commit (a store's), from the client's side, per
+block of a batch of n.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
         row["case"] = case.name
         if "load_gbps" in row:
             row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
+            row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / ceilings.h2d_gbps
             row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
         rows.append(row)
     return {"rows": rows}
@@ -100,7 +102,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             engine = TransferEngine(pool.segments([cache.block_chunks()]))
             loads = CheckedLoads(checker, 0)
             ids = torch.randperm(n).tolist()
-            meta_load, load_s, check_s, slots = [], [], [], []
+            meta_load, load_s, xxh3_s, slots = [], [], [], []
             for r in range(repeats + 1):  # the first round warms up
                 t0 = time.perf_counter()
                 hits = index.lookup_prefix(keys)
@@ -109,25 +111,29 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 if hits != n or plan is None:
                     raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
                 slots = plan.slots
-                _load(loads, engine, pool.slots, _job(r, ids, slots, keys, plan.sums))
+                _load_summed(engine, 2 * r, ids, slots, [s[1] for s in plan.sums])
                 t2 = time.perf_counter()
                 index.complete_load(keys)
                 meta_load.append(t1 - t0 + time.perf_counter() - t2)
                 load_s.append(t2 - t1)
-                t3 = time.perf_counter()  # the checks alone
-                if checker.verify(pool.slots, slots, keys, [s[0] for s in plan.sums]).result() != n:
-                    raise RuntimeError("a block of the writer's failed its checksum")
-                check_s.append(time.perf_counter() - t3)
+                cache.raw.fill_(0xA5)
+                t3 = time.perf_counter()
+                _load(loads, engine, pool.slots, _job(2 * r + 1, ids, slots, keys, plan.sums))
+                xxh3_s.append(time.perf_counter() - t3)
             # Every byte: this process's cache holds what the writer put in the slots.
             loaded = cache.block_chunks()[ids]
             if not torch.equal(loaded.cpu(), pool.slots[slots]):
                 raise RuntimeError("loaded blocks differ from the writer's")
+            cache.raw.fill_(0xA5)
+            _load_summed(engine, 2 * repeats + 2, ids, slots, [s[1] for s in plan.sums])
+            if not torch.equal(cache.block_chunks()[ids].cpu(), pool.slots[slots]):
+                raise RuntimeError("blocks loaded by row sums differ from the writer's")
             meta_store = _store_metadata(index, namespace, n, repeats)
             # Both directions: the writer stores set 1 while this process loads set 0.
             plan = index.prepare_load(keys)
             ours.send("go")
             t0 = time.time()
-            _load(loads, engine, pool.slots, _job(repeats + 1, ids, plan.slots, keys, plan.sums))
+            _load_summed(engine, 2 * repeats + 3, ids, plan.slots, [s[1] for s in plan.sums])
             t1 = time.time()
             index.complete_load(keys)
             w0, w1 = _answer(ours)
@@ -146,7 +152,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     return {"block_bytes": block_bytes, "blocks": n,
             "store_gbps": nbytes / store_s / 1e9,
             "load_gbps": nbytes / statistics.median(load_s[1:]) / 1e9,
-            "check_gbps": nbytes / statistics.median(check_s[1:]) / 1e9,
+            "xxh3_load_gbps": nbytes / statistics.median(xxh3_s[1:]) / 1e9,
             "bidir_gbps": 2 * nbytes / (max(t1, w1) - min(t0, w0)) / 1e9,
             "load_meta_us": statistics.median(meta_load[1:]) / n * 1e6,
             "store_meta_us": meta_store / n * 1e6, "check_threads": checker.threads}
@@ -173,6 +179,17 @@ def _load(loads: CheckedLoads, engine: TransferEngine, rows: torch.Tensor,
         raise RuntimeError(f"block {good} of the writer's failed its checksum")
     if not result.ok or result.nbytes != len(job.slots) * engine.block_bytes:
         raise RuntimeError(f"load {job.job_id} failed: {result}")
+
+
+def _load_summed(engine: TransferEngine, job_id: int, ids: list[int], slots: list[int],
+                 sums: list[int]) -> None:
+    """Load as a GPU engine's worker does: checked on the way by the blocks' row sums; raises
+    unless every block matched and landed."""
+    engine.submit_load(job_id, slots, ids, expect=sums)
+    engine.wait()
+    (result,) = engine.get_finished()
+    if not result.ok or result.good != len(ids):
+        raise RuntimeError(f"load {job_id} by row sums: {result}")
 
 
 def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: int) -> float:
@@ -229,16 +246,19 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
             parts = [slice(i, i + -(-n // WRITER_JOBS)) for i in range(0, n, -(-n // WRITER_JOBS))]
             t0, w0 = time.perf_counter(), time.time()
             for j, part in enumerate(parts):
-                engine.submit_store(2 * j + batch, ids[part], plan.slots[part])
+                engine.submit_store(2 * j + batch, ids[part], plan.slots[part], sums=True)
             hashes = []
             for j, part in enumerate(parts):
                 engine.wait([2 * j + batch])
                 hashes.append(checker.hash(pool.slots, plan.slots[part], keys[part]))
             sums = [s for future in hashes for s in future.result()]  # what a commit needs
             t1, w1 = time.perf_counter(), time.time()
-            if not all(res.ok for res in engine.get_finished()):
+            results = sorted(engine.get_finished(), key=lambda res: res.job_id)
+            if not all(res.ok for res in results):
                 raise RuntimeError("a store job failed")
-            index.complete_store(keys, True, [[s] for s in sums])
+            row_sums = [s for res in results for s in res.sums]
+            index.complete_store(keys, True, [[s, r] for s, r in zip(sums, row_sums,
+                                                                    strict=True)])
             index.pool_stats()  # committed before we answer
             conn.send(t1 - t0 if batch == 0 else (w0, w1))
         conn.recv()

@@ -1,11 +1,11 @@
 """A worker's checksums of a shared pool's blocks, job by job (transfer/shared/checks.py).
 
 A store is hashed once its copy is done and reported with its checksums (the scheduler commits
-it with every rank's); where the copy engine sums rows (`TransferEngine.can_sum`), the store
-also reports its blocks' row sums (transfer/copy/row_sums.py), taken by the copy engine, and a
-load whose blocks all carry them is checked on the way by the engine (`expected`); else a
-load's blocks are checked before they are copied, chunk by chunk (`loads`: checked_loads.py),
-and the load is reported once its checks and copies are done;
+it with every rank's); a worker whose cache is on a GPU (ROW_SUMS_DEVICES) also reports its
+blocks' row sums (transfer/copy/row_sums.py), taken by its copy engine, and checks a load whose
+blocks all carry them on the way, by its copy engine (`expected`): no host hashing on the load
+path. Else a load's blocks are checked before they are copied, chunk by chunk (`loads`:
+checked_loads.py), and the load is reported once its checks and copies are done;
 blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in the pool
 with their checksums (a disk read's, verified there, are taken as they are). This worker's part
 of every slot is `rows`; its checksum is entry `rank` of each block's per-rank list.
@@ -23,12 +23,17 @@ from kvconnector.offload.jobs import TransferJob
 from transfer.engine import TransferEngine, TransferResult
 from transfer.shared.checks import SlotChecker
 
+# Caches whose workers take and check row sums: on a GPU they cost nothing on the host; a CPU
+# computes them at ~1 GB/s a core against xxh3's ~20 (dev VM), so CPU workers use xxh3 only.
+ROW_SUMS_DEVICES = ("cuda",)
+
 
 class PoolChecks:
-    """The checks of one worker of rank `rank` (see module doc)."""
+    """The checks of one worker of rank `rank` whose cache is on `device` (see module doc)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
+        self.row_sums = device.type in ROW_SUMS_DEVICES
         self.checker = SlotChecker()
         self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
         self._row_sums: dict[int, tuple[int, ...]] = {}  # store being hashed -> its row sums
@@ -37,6 +42,10 @@ class PoolChecks:
         self._fetched: dict[int, Future[list[int]]] = {}  # load -> its fetched blocks' sums
 
     # ---- stores ---------------------------------------------------------------------------
+
+    def sums_store(self, job: TransferJob, engine: TransferEngine) -> bool:
+        """Whether the store's copy also takes its blocks' row sums."""
+        return self.row_sums and engine.can_sum and bool(job.checked)
 
     def store_submitted(self, job: TransferJob) -> None:
         if job.checked:
@@ -69,7 +78,7 @@ class PoolChecks:
     def expected(self, job: TransferJob, head: int, engine: TransferEngine) -> list[int] | None:
         """This rank's row sums of the job's first `head` blocks, when the engine checks them on
         the way: every one of them is checked and carries them (else None: checked here)."""
-        if not engine.can_sum or head == 0 or len(job.checked) < head or \
+        if not (self.row_sums and engine.can_sum) or head == 0 or len(job.checked) < head or \
                 len(job.row_sums) < head:
             return None
         sums = [s[self.rank] if self.rank < len(s) else None for s in job.row_sums[:head]]

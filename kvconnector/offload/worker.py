@@ -120,7 +120,7 @@ class OffloadWorker:
         self._doomed: list[TransferJob] = []
         self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
         self.remote_failures = 0  # jobs whose get or put failed (or could not run)
-        self.checks = None if shared is None else PoolChecks(shared.rank)
+        self.checks = None if shared is None else PoolChecks(shared.rank, gpu_rows[0].device)
         self._rows: torch.Tensor | None = None  # this worker's part of every slot
         self._copied: list[CopyResult] = []  # loads copied, their checks still running
         if shared is None:
@@ -283,9 +283,8 @@ class OffloadWorker:
 
     def _submit_store(self, job: TransferJob) -> None:
         # A dropped store (False) still reaches get_finished, as failed: it is registered.
-        self.engine.submit_store(job.job_id, job.block_ids, job.slots,
-                                 sums=self.checks is not None and bool(job.checked)
-                                 and self.engine.can_sum)
+        self.engine.submit_store(job.job_id, job.block_ids, job.slots, sums=self.checks
+                                 is not None and self.checks.sums_store(job, self.engine))
         if self.checks is not None:  # hashed once copied
             self.checks.store_submitted(job)
         if job.keys and self.remote is not None:

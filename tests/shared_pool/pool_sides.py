@@ -19,6 +19,7 @@ import torch
 
 from kvconnector.layout import KVLayout
 from kvconnector.layout.allocator import allocate
+from kvconnector.offload import pool_checks
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker, TransferEvents
 from transfer.copy.base import ThreadBackend
@@ -186,3 +187,9 @@ def reader_child(name: str, tag: str, count: int, conn: Connection) -> None:
 def gpu_writer_child(name: str, conn: Connection) -> None:
     """writer_child with its cache on the GPU, copying by DMA."""
     writer_child(name, conn, "cuda")
+
+
+def row_sums_writer_child(name: str, conn: Connection) -> None:
+    """writer_child on CPU whose worker takes row sums, as a GPU worker's does."""
+    pool_checks.ROW_SUMS_DEVICES = ("cuda", "cpu")
+    writer_child(name, conn)

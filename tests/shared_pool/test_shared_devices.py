@@ -24,13 +24,15 @@ from pool_sides import (
     flip,
     gpu_writer_child,
     hashes,
+    row_sums_writer_child,
     writer_child,
 )
 
-from kvconnector.offload import checked_loads
-from kvconnector.offload.pool_checks import PoolChecks
+from kvconnector.offload import checked_loads, pool_checks
 from transfer.copy import base
+from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.pool import HostPool
+from transfer.remote.backend import block_checksum
 from transfer.shared.checks import SlotChecker
 from transfer.shared.testing import PoolProcess
 
@@ -88,19 +90,19 @@ def test_caches_share_the_pool_and_a_flipped_slot_is_refused(pool: PoolProcess,
 @pytest.mark.parametrize("checks", ["row sums", "xxh3"])
 def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str, checks: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both checks a load may take: row sums on the way, by the copy engine, through staging
-    buffers of 2 blocks; or, where its blocks lack row sums, xxh3 on the checker threads, in
-    chunks of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7 chunks."""
-    writer = Child(writer_child, pool.name)
+    """Both checks a load may take: row sums (the writer took them, as GPU workers do) checked
+    on the way by the copy engine, through staging buffers of 2 blocks (CPU workers too, here);
+    or, where its blocks lack row sums (a CPU writer's), xxh3 on the checker threads, in chunks
+    of 2 blocks (the first of a block per checker thread, at most 2): 6 or 7 chunks."""
+    if checks == "row sums":  # the copy engine checks them: the checker threads never do
+        monkeypatch.setattr(pool_checks, "ROW_SUMS_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(SlotChecker, "verify", _never)
+    writer = Child(row_sums_writer_child if checks == "row sums" else writer_child, pool.name)
     reader = Side(pool.name, device=device)
     try:
         row = reader.rows.shape[1]
         monkeypatch.setattr(base, "STAGE_BYTES", 2 * row)
         monkeypatch.setattr(checked_loads, "CHUNK_BYTES", 2 * row)
-        if checks == "xxh3":  # as for blocks committed without row sums
-            monkeypatch.setattr(PoolChecks, "expected", lambda *_: None)
-        else:  # the copy engine checks them: the checker threads never do
-            monkeypatch.setattr(SlotChecker, "verify", _never)
         assert writer.ask(("store", "m", 12, 31)) == "stored"
         want = fill(torch.empty(12, row, dtype=torch.uint8), list(range(12)), 31)
         blocks = [15, 0, 14, 1, 13, 2, 12, 3, 11, 4, 10, 5]
@@ -109,6 +111,11 @@ def test_loads_in_chunks_copy_only_checked_blocks(pool: PoolProcess, device: str
         assert torch.equal(reader.rows[blocks].cpu(), torch.stack(want))
         counters = reader.core.take_counters()
         assert (counters.load_bytes, counters.checksum_failures) == (12 * row, 0)
+        # The commit: each block's xxh3 (bound to its key), then its row sum where taken.
+        keys = NS.keys(hashes("m", 12))
+        assert reader.index.checksums(keys) == [
+            [block_checksum(w.numpy(), k)] + to_unsigned(row_sums(w[None])) * (checks == "row sums")
+            for w, k in zip(want, keys, strict=True)]
         # Block 5 flipped (mid-chunk, or a chunk's first with one checker thread): 0-4 load,
         # 5-11 keep the poison.
         flip(reader, NS.keys(hashes("m", 12))[5], row - 1)

@@ -30,7 +30,6 @@ from pool_sides import (
     writer_child,
 )
 
-from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
@@ -111,12 +110,10 @@ def test_blocks_stored_by_one_process_load_bit_exact_in_another(
     assert events.finished_loads == {"r"} and not events.failed_loads
     assert_loaded(reader, [11, 3, 14, 7, 9], want)
     assert all(bool((reader.rows[b] == POISON).all()) for b in (0, 1, 2))  # untouched
-    # Each block carries the checksums its writer took (one rank: one of each): its xxh3,
-    # bound to its key, then its row sum.
+    # Each block carries the checksum its writer took (one rank: one), bound to its key.
     keys = NS.keys(hashes("p", 5))
-    assert reader.index.checksums(keys) == [
-        [block_checksum(w.numpy(), k), to_unsigned(row_sums(w[None]))[0]]
-        for w, k in zip(want, keys, strict=True)]
+    assert reader.index.checksums(keys) == [[block_checksum(w.numpy(), k)]
+                                            for w, k in zip(want, keys, strict=True)]
     writer.exit()
     # The writer is gone; its blocks stay: a restarted engine finds its prefix.
     restarted = Side(pool.name)

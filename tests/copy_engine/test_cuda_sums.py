@@ -1,0 +1,157 @@
+"""Row sums on CUDA lanes (transfer/copy/cuda_sums.py), on a real GPU and a pinned pool.
+
+A summed store reports the sums a CPU computes from the same bytes; a checked load lands only
+its leading blocks whose slots match (every byte compared against a poisoned cache), through
+staging buffers reused many times over; it follows the compute stream, and a store of its
+blocks follows it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvconnector.layout.allocator import allocate
+from kvconnector.layout.descriptor import KVLayout
+from transfer.copy import base
+from transfer.copy.row_sums import row_sums, to_unsigned
+from transfer.engine import TransferEngine
+from transfer.pool import HostPool
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+POISON = 0x5A
+BACKENDS = ["auto", "dma", "sm"]
+# 8 layers x 64 KB pages: 512 KB blocks, block-major (one segment: row sums apply).
+LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_size=128, block_size=16,
+                  dtype="bfloat16", order="BLNHC")
+
+
+class Rig:
+    def __init__(self, backend: str, num_blocks: int = 64, num_slots: int = 64) -> None:
+        from transfer.copy.factory import make_backend
+
+        self.cache = allocate(LAYOUT, num_blocks=num_blocks, device="cuda")
+        gen = torch.Generator().manual_seed(7)
+        self.cache.raw.copy_(torch.randint(0, 256, (self.cache.raw.numel(),), dtype=torch.uint8,
+                                           generator=gen))
+        self.pool = HostPool.create(LAYOUT, num_slots=num_slots, pinned=True)
+        assert self.pool.pinned
+        self.pool.buffer.raw.fill_(0xA5)
+        self.rows = self.cache.block_chunks()
+        self.engine = TransferEngine(self.pool.segments([self.rows]),
+                                     make_backend(backend, "cuda"))
+        assert self.engine.can_sum
+
+    def finished(self) -> dict[int, object]:
+        return {r.job_id: r for r in self.engine.get_finished()}
+
+    def close(self) -> None:
+        self.engine.close()
+        self.pool.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def rig(request: pytest.FixtureRequest) -> Rig:
+    rig = Rig(request.param)
+    yield rig
+    rig.close()
+
+
+def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
+    ids, slots = list(range(40, 0, -2)), list(range(20))
+    assert rig.engine.submit_store(1, ids, slots, sums=True)
+    assert rig.engine.wait(timeout=120)
+    (result,) = rig.finished().values()
+    assert result.ok and len(result.sums) == 20
+    host = rig.rows.cpu()[ids]
+    assert list(result.sums) == to_unsigned(row_sums(host))
+    assert torch.equal(rig.pool.slots[slots], host)  # and the copy itself is exact
+    assert len(set(result.sums)) == 20
+
+
+@pytest.mark.parametrize("bad", [None, 0, 4, 17, 39])
+def test_a_checked_load_lands_only_its_leading_good_blocks(rig: Rig, bad: int | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3-block stages: 40 blocks go through the 3 buffers 14 times over.
+    monkeypatch.setattr(base, "STAGE_BYTES", 3 * LAYOUT.block_bytes)
+    slots, src = list(range(40)), list(range(40))
+    assert rig.engine.submit_store(1, src, slots, sums=True)
+    rig.engine.wait()
+    sums = list(rig.finished()[1].sums)
+    want = rig.pool.slots[slots].clone()
+    if bad is not None:
+        rig.pool.slots[slots[bad], LAYOUT.block_bytes // 2] ^= 0x01
+    rig.cache.raw.fill_(POISON)
+    dst = list(range(63, 23, -1))
+    assert rig.engine.submit_load(2, slots, dst, expect=sums)
+    assert rig.engine.wait(timeout=120)
+    result = rig.finished()[2]
+    good = 40 if bad is None else bad
+    assert result.ok and result.good == good
+    assert result.nbytes == good * LAYOUT.block_bytes
+    cache = rig.rows.cpu()
+    assert torch.equal(cache[dst[:good]], want[:good])
+    assert bool((cache[dst[good:]] == POISON).all())
+    untouched = sorted(set(range(64)) - set(dst))
+    assert bool((cache[untouched] == POISON).all())
+
+
+def test_checked_loads_and_summed_stores_in_flight_together(rig: Rig,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "STAGE_BYTES", 2 * LAYOUT.block_bytes)
+    assert rig.engine.submit_store(1, list(range(32)), list(range(32)), sums=True)
+    rig.engine.wait()
+    sums = list(rig.finished()[1].sums)
+    want = rig.pool.slots[:32].clone()
+    # Loads of 0-31 into blocks 32-63 (two jobs) while blocks 0-31 are stored to slots 32-63.
+    rig.engine.submit_load(2, list(range(16)), list(range(32, 48)), expect=sums[:16])
+    rig.engine.submit_store(3, list(range(32)), list(range(32, 64)), sums=True)
+    rig.engine.submit_load(4, list(range(16, 32)), list(range(48, 64)), expect=sums[16:])
+    assert rig.engine.wait(timeout=120)
+    done = rig.finished()
+    assert (done[2].good, done[4].good) == (16, 16)
+    assert list(done[3].sums) == sums  # the same bytes, summed again
+    assert torch.equal(rig.rows.cpu()[32:], want)
+    assert torch.equal(rig.pool.slots[32:], want)
+
+
+def test_a_checked_load_follows_compute_and_a_store_of_its_blocks_follows_it(rig: Rig) -> None:
+    import cupy
+
+    assert rig.engine.submit_store(1, list(range(8)), list(range(8)), sums=True)
+    rig.engine.wait()
+    sums = list(rig.finished()[1].sums)
+    want = rig.pool.slots[:8].clone()
+    rig.cache.raw[rig.rows[10:18].storage_offset():].fill_(POISON)
+    flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    spin = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(const unsigned long long flag_addr) {
+        volatile int* flag = (volatile int*)flag_addr;
+        while (*flag == 0) { __nanosleep(2000); }
+    }""", "spin")
+    compute = torch.cuda.current_stream()
+    with cupy.cuda.ExternalStream(compute.cuda_stream):
+        spin((1,), (1,), (np.uint64(flag.data_ptr()),))
+    watchdog = threading.Timer(120, lambda: flag.fill_(1))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        rig.engine.submit_load(2, list(range(8)), list(range(10, 18)), expect=sums)
+        rig.engine.submit_store(3, list(range(10, 18)), list(range(20, 28)), sums=True)
+        time.sleep(0.5)
+        assert not rig.finished()  # both wait for the held compute stream
+        assert not bool(torch.equal(rig.pool.slots[20:28], want))
+    finally:
+        flag.fill_(1)
+        watchdog.cancel()
+    assert rig.engine.wait(timeout=120)
+    done = rig.finished()
+    assert done[2].good == 8 and list(done[3].sums) == sums
+    assert torch.equal(rig.rows.cpu()[10:18], want)
+    assert torch.equal(rig.pool.slots[20:28], want)  # the store copied what the load landed
