@@ -109,10 +109,14 @@ def test_checked_load_of_wrong_sums_lands_nothing(rig: Rig) -> None:
 
 BAD_EXPECT = [
     ([1, 2], "2 expected sums for 3 slots"),
-    ([1, -1, 2], "unsigned 64-bit"),
-    ([1, 2**64, 2], "unsigned 64-bit"),
-    ([1, None, 2], "unsigned 64-bit"),
-    ([1, "x", 2], "unsigned 64-bit"),
+    ([1, -1, 2], "got -1 at 1"),
+    ([1, 2, 2**64], f"got {2**64} at 2"),
+    ([1, np.int64(-5), 2], r"got (np\.int64\()?-5\)? at 1"),
+    ([None, 1, 2], "got None at 0"),
+    ([1, "x", 2], "got 'x' at 1"),
+    ([1, 2.5, 2], "got 2.5 at 1"),  # numpy would truncate it to 2
+    ([1, "7", 2], "got '7' at 1"),  # numpy would parse it
+    ([1, True, 2], "got True at 1"),  # numpy would take it as 1
 ]
 
 
@@ -127,6 +131,15 @@ def test_bad_expected_sums_raise_before_anything_is_queued(rig: Rig, expect: lis
     assert torch.equal(rig.cache.raw, cache_before)
     assert torch.equal(rig.pool.buffer.raw, pool_before)
     assert rig.engine.submit_load(4, [0], [3])  # the job id is still free
+
+
+def test_expected_sums_as_numpy_unsigned(rig: Rig) -> None:
+    _, slots, sums = stored(rig)
+    expect = np.array(sums, dtype=np.uint64)
+    assert rig.engine.submit_load(2, slots, list(range(20, 20 + N)), expect=expect)
+    assert rig.engine.wait([2], TIMEOUT)
+    res = rig.finished()[2]
+    assert res.ok and res.good == N and res.nbytes == N * rig.engine.block_bytes
 
 
 def refused(engine: TransferEngine, match: str) -> None:
