@@ -125,11 +125,13 @@ class TransferEngine:
         expected = None
         if expect is not None:
             self._check_can_sum(job_id)
-            try:
-                expected = to_int64(list(expect))
-            except (OverflowError, TypeError, ValueError) as exc:
-                raise ValueError(f"job {job_id}: expected sums must be unsigned 64-bit ints, "
-                                 f"got {list(expect)[:4]!r}...: {exc}") from None
+            values = list(expect)
+            for i, value in enumerate(values):  # numpy would take 2.5, "7" or True as ints
+                if isinstance(value, bool) or not isinstance(value, int | np.integer) \
+                        or not 0 <= int(value) < 1 << 64:
+                    raise ValueError(f"job {job_id}: expected sums must be unsigned 64-bit "
+                                     f"ints, got {value!r} at {i}")
+            expected = to_int64(values)
         return self._submit(job_id, False, gpu_block_ids, slot_ids, expect=expected)
 
     def check_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
