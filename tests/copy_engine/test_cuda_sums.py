@@ -76,8 +76,8 @@ def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("bad", [None, 0, 4, 17, 39])
-def test_a_checked_load_lands_only_its_leading_good_blocks(rig: Rig, bad: int | None,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checked_load_lands_only_its_leading_good_blocks(
+        rig: Rig, bad: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # 3-block stages: 40 blocks go through the 3 buffers 14 times over.
     monkeypatch.setattr(base, "STAGE_BYTES", 3 * LAYOUT.block_bytes)
     slots, src = list(range(40)), list(range(40))
@@ -102,8 +102,8 @@ def test_a_checked_load_lands_only_its_leading_good_blocks(rig: Rig, bad: int | 
     assert bool((cache[untouched] == POISON).all())
 
 
-def test_checked_loads_and_summed_stores_in_flight_together(rig: Rig,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checked_loads_and_summed_stores_in_flight_together(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "STAGE_BYTES", 2 * LAYOUT.block_bytes)
     assert rig.engine.submit_store(1, list(range(32)), list(range(32)), sums=True)
     rig.engine.wait()
