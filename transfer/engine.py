@@ -86,8 +86,10 @@ class TransferEngine:
         self.num_gpu_blocks = int(self.segments[0].gpu.shape[0])
         self.num_slots = int(self.segments[0].host.shape[0])
         self.block_bytes = sum(seg.nbytes for seg in self.segments)
-        # Row sums need a block in one piece, of whole 32-bit words.
-        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0
+        # Row sums need a block in one piece, of whole 32-bit words, each word-aligned.
+        gpu = self.segments[0].gpu
+        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
+            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0
         self.max_store_bytes = max_store_bytes
         self.backend = backend or make_backend("auto", self.segments[0].gpu.device)
         self.backend.check(self.segments)
@@ -193,8 +195,8 @@ class TransferEngine:
     def _check_can_sum(self, job_id: int) -> None:
         if not self.can_sum:
             raise ValueError(f"job {job_id}: row sums need blocks of one segment of whole 32-bit "
-                             f"words; these blocks are {len(self.segments)} segment(s) of "
-                             f"{self.block_bytes} bytes")
+                             f"words, word-aligned; these blocks are {len(self.segments)} "
+                             f"segment(s) of {self.block_bytes} bytes")
 
     def _submit(self, job_id: int, is_store: bool, gpu_block_ids: object,
                 slot_ids: object, take_sums: bool = False,

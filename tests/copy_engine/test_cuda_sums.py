@@ -135,15 +135,16 @@ def test_a_checked_load_follows_compute_and_a_store_of_its_blocks_follows_it(rig
         volatile int* flag = (volatile int*)flag_addr;
         while (*flag == 0) { __nanosleep(2000); }
     }""", "spin")
-    compute = torch.cuda.current_stream()
-    with cupy.cuda.ExternalStream(compute.cuda_stream):
-        spin((1,), (1,), (np.uint64(flag.data_ptr()),))
+    compute = torch.cuda.Stream()
     watchdog = threading.Timer(120, lambda: flag.fill_(1))
     watchdog.daemon = True
     watchdog.start()
     try:
-        rig.engine.submit_load(2, list(range(8)), list(range(10, 18)), expect=sums)
-        rig.engine.submit_store(3, list(range(10, 18)), list(range(20, 28)), sums=True)
+        with torch.cuda.stream(compute):  # jobs follow the stream current at submit
+            with cupy.cuda.ExternalStream(compute.cuda_stream):
+                spin((1,), (1,), (np.uint64(flag.data_ptr()),))
+            rig.engine.submit_load(2, list(range(8)), list(range(10, 18)), expect=sums)
+            rig.engine.submit_store(3, list(range(10, 18)), list(range(20, 28)), sums=True)
         time.sleep(0.5)
         assert not rig.finished()  # both wait for the held compute stream
         assert not bool(torch.equal(rig.pool.slots[20:28], want))

@@ -13,6 +13,7 @@ from transfer.copy import row_sums as rs
 from transfer.copy.row_sums import (
     check_row_bytes,
     checked_copy,
+    coefficient_array,
     coefficients,
     row_sums,
     to_int64,
@@ -61,7 +62,8 @@ def sums(rows: torch.Tensor, ids: torch.Tensor | None = None) -> list[int]:
 # -- coefficients --------------------------------------------------------------------------
 
 def test_coefficients_are_pinned_and_splitmix64() -> None:
-    coefficients.cache_clear()  # computed afresh, not a cached tensor
+    coefficient_array.cache_clear()  # computed afresh, not a cached array
+    coefficients.cache_clear()
     coef = coefficients(8, "cpu")
     assert coef.dtype == torch.int64 and coef.shape == (8,)
     assert coef[:3].tolist() == PINNED

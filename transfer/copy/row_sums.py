@@ -30,13 +30,21 @@ PIECE_BYTES = 16 << 20
 
 
 @functools.lru_cache(maxsize=8)
-def coefficients(words: int, device: str) -> torch.Tensor:
-    """The `words` coefficients (int64) on `device`: splitmix64 of SEED + k * golden gamma."""
+def coefficient_array(words: int) -> np.ndarray:
+    """The `words` coefficients (int64): splitmix64 of SEED + k * golden gamma, k = 1..words."""
     x = np.uint64(SEED) + np.arange(1, words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
-    return torch.from_numpy(x.view(np.int64)).to(device)
+    x.flags.writeable = False
+    return x.view(np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def coefficients(words: int, device: str) -> torch.Tensor:
+    """`coefficient_array(words)` on `device` (a host device here: GPU lanes keep their own,
+    transfer/copy/cuda_sums.py)."""
+    return torch.from_numpy(coefficient_array(words).copy()).to(device)
 
 
 def check_row_bytes(nbytes: int) -> None:
