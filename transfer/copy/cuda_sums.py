@@ -190,5 +190,5 @@ class LaneSums:
 def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """An int64 array to `device`, queued on the current stream (torch keeps the pinned copy
     alive until the transfer ran)."""
-    return torch.from_numpy(np.ascontiguousarray(values)).pin_memory().to(device,
-                                                                          non_blocking=True)
+    return torch.from_numpy(np.array(values, dtype=np.int64)).pin_memory().to(
+        device, non_blocking=True)
