@@ -33,7 +33,7 @@ from transfer.copy.cuda_driver import (
     BatchCopy,
     MemcpyAttributes,
 )
-from transfer.copy.cuda_sums import LaneSums
+from transfer.copy.cuda_sums import LaneSums, SumsOutput
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,9 @@ class CudaCompletion(Completion):
     """The end event of a job on a lane (and its start event, for timing)."""
 
     def __init__(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
-                 error: BaseException | None = None, sums: torch.Tensor | None = None,
-                 good: torch.Tensor | None = None) -> None:
+                 error: BaseException | None = None, output: SumsOutput | None = None) -> None:
         self.start, self.end, self.error = start, end, error
-        self._sums, self._good = sums, good  # pinned, written by the job's end
+        self._output = output  # a summing job's results, written by its end
         # A job that failed part-way may have queued copies before the failure: it is done only
         # when its end event is (nothing may reuse its blocks or slots earlier). Done at once
         # only when nothing was queued.
@@ -107,11 +106,13 @@ class CudaCompletion(Completion):
 
     @property
     def sums(self) -> np.ndarray | None:
-        return self._sums.numpy() if self._sums is not None and self.ok else None
+        out = self._output
+        return out.values.numpy().copy() if out and not out.is_load and self.ok else None
 
     @property
     def good(self) -> int | None:
-        return int(self._good[0]) if self._good is not None and self.ok else None
+        out = self._output
+        return int(out.values[0]) if out and out.is_load and self.ok else None
 
 
 def _new_stream(device: torch.device) -> tuple[object, torch.cuda.ExternalStream]:
@@ -140,23 +141,24 @@ class _StreamLane(Lane):
                 self.stream.wait_event(prior.end)  # type: ignore[attr-defined]
             start.record(self.stream)
             error: BaseException | None = None
-            sums = good = None
+            output = None
             try:
                 if copy.expect is not None:
-                    good = self._summing().issue_load(copy, self.stream, self._backend.issue, end)
+                    output = self._summing().issue_load(copy, self.stream, self._backend.issue,
+                                                        end)
                 else:
                     self._backend.issue(copy, self.stream)
                     if copy.take_sums:
-                        sums = self._summing().issue_store(copy, self.stream, end)
+                        output = self._summing().issue_store(copy, self.stream, end)
             except Exception as exc:  # reported as a failed job, never raised into the step
                 log.error("job %s: issuing %d copies failed: %s", copy.job_id,
                           len(copy.src_rows) * len(copy.pairs), exc)
                 error = exc
             if error is not None and self._sums is not None:
                 self.stream.wait_stream(self._sums.stream)  # what was queued there ends first
-            if error is not None or (sums is None and good is None):
+            if error is not None or output is None:
                 end.record(self.stream)
-        return CudaCompletion(start, end, error, sums, good)
+        return CudaCompletion(start, end, error, output)
 
     def _summing(self) -> LaneSums:
         if self._sums is None:

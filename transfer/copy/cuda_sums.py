@@ -9,16 +9,17 @@ Each lane that sums gets a second stream of its own, so its copies never wait fo
   The host queues the whole job at submit and never waits: the good count comes back through
   pinned memory by the job's end event.
 
-Per chunk that is two kernels of our own (`_SOURCE`, cupy RawKernels): the host issues a chunk in
-~0.1 ms; the same steps as torch ops cost ~27 us each, ~17 a chunk, so a 2 GiB load's submit
-blocked its caller for 20-40 ms (H200). The kernels compute exactly `row_sums` (the torch code
-CPU lanes run), which the GPU tests hold them to. Nothing here is imported without CUDA.
+Per chunk that is a DMA and three small kernels of our own (`_SOURCE`, a cupy RawModule), about
+0.1 ms of host time: the same steps as torch ops cost ~27 us each, ~17 a chunk, so a 2 GiB
+load's submit blocked its caller for 20-40 ms (H200). The kernels compute exactly `row_sums`
+(the torch code CPU lanes run), which the GPU tests hold them to. Nothing here is imported
+without CUDA.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -31,11 +32,12 @@ from transfer.copy.row_sums import coefficient_array
 Issue = Callable[[RowCopy, torch.cuda.ExternalStream], None]
 
 _SOURCE = r"""
-// Row j of `count`: its 32-bit words at base + (ids ? ids[j] : j) * stride. out[j] += its sum
-// over this block's share of the words (out zeroed first; sums wrap mod 2^64 in any order).
+// Row j of `count` (blockIdx.x): its 32-bit words at base + (ids ? ids[j] : j) * stride; each
+// block sums its share of the words into partial[j * gridDim.y + blockIdx.y] (mod 2^64).
 extern "C" __global__ void kv_row_sums(const unsigned char* base, const long long stride,
                                        const long long* ids, const int words,
-                                       const unsigned long long* coef, unsigned long long* out) {
+                                       const unsigned long long* coef,
+                                       unsigned long long* partial) {
     const int j = blockIdx.x;
     const long long row = ids ? ids[j] : j;
     const int* w = (const int*)(base + row * stride);
@@ -49,33 +51,73 @@ extern "C" __global__ void kv_row_sums(const unsigned char* base, const long lon
     if (threadIdx.x < 32) {
         acc = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0;
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
-        if (threadIdx.x == 0) atomicAdd(out + j, acc);
+        if (threadIdx.x == 0) partial[j * gridDim.y + blockIdx.y] = acc;
     }
 }
 
+// Row j < count: its sum from `splits` partials into out[j]; with `expect`, ok[j] instead says
+// whether it matched (expect and out may be pinned host memory: read and written in place).
+extern "C" __global__ void kv_finish_sums(const unsigned long long* partial, const int splits,
+                                          const int count, unsigned long long* out,
+                                          const unsigned long long* expect, int* ok) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= count) return;
+    unsigned long long sum = 0;
+    for (int y = 0; y < splits; y++) sum += partial[j * splits + y];
+    if (expect) ok[j] = sum == expect[j];
+    else out[j] = sum;
+}
+
 // Row j of a chunk is the job's row first + j: it goes from the stage to dst row ids[first + j]
-// only if the sums of the job's rows 0 .. first + j all equal what was expected.
+// only if rows 0 .. first + j of the job all matched (ok).
 extern "C" __global__ void kv_checked_copy(const unsigned char* stage, const long long stage_stride,
                                            unsigned char* dst, const long long dst_stride,
                                            const long long* ids, const long long first,
-                                           const unsigned long long* sums,
-                                           const unsigned long long* expect, const int words) {
+                                           const int* ok, const int words) {
     const long long g = first + blockIdx.x;
     int bad = 0;
-    for (long long i = threadIdx.x; i <= g; i += blockDim.x) bad |= sums[i] != expect[i];
+    for (long long i = threadIdx.x; i <= g; i += blockDim.x) bad |= !ok[i];
     if (__syncthreads_or(bad)) return;
     const int* src = (const int*)(stage + blockIdx.x * stage_stride);
     int* out = (int*)(dst + ids[g] * dst_stride);
     for (int k = blockIdx.y * blockDim.x + threadIdx.x; k < words; k += gridDim.y * blockDim.x)
         out[k] = src[k];
 }
+
+// The job's leading matched rows, into *good (pinned host memory). One block.
+extern "C" __global__ void kv_count_good(const int* ok, const long long count, long long* good) {
+    __shared__ long long first_bad;
+    if (threadIdx.x == 0) first_bad = count;
+    __syncthreads();
+    for (long long i = threadIdx.x; i < count; i += blockDim.x)
+        if (!ok[i]) atomicMin((unsigned long long*)&first_bad, (unsigned long long)i);
+    __syncthreads();
+    if (threadIdx.x == 0) *good = first_bad;
+}
 """
 _THREADS = 256
 _BLOCKS = 528  # thread blocks a kernel aims for (4 per SM of an H100/H200)
 
 
+@dataclass(frozen=True)
+class SumsOutput:
+    """What a summing job hands back by its end event: `values`, pinned int64 (a store's sums,
+    or a checked load's [good rows]); `keep`: the pinned host tensors its kernels read (ids,
+    expected sums), alive as long as this is."""
+
+    values: torch.Tensor
+    is_load: bool
+    keep: tuple[torch.Tensor, ...]
+
+
 class LaneSums:
-    """The summing side of one lane on `device`, on `stream` (see module doc)."""
+    """The summing side of one lane on `device`, on `stream` (see module doc).
+
+    Its kernels read and write pinned host memory in place (ids, expected sums, results: UVA
+    pointers), so the only copy-engine work is the lane's own DMA: a small copy queued behind a
+    lane's big ones would wait for all of them (the engines run each direction's copies in
+    order; on the H200 a store's sums came back only after every queued store had copied).
+    """
 
     def __init__(self, device: torch.device, stream: torch.cuda.ExternalStream) -> None:
         import cupy
@@ -83,8 +125,8 @@ class LaneSums:
         self.device, self.stream = device, stream
         self._cupy: ModuleType = cupy
         module = cupy.RawModule(code=_SOURCE)
-        self._sum_kernel = module.get_function("kv_row_sums")
-        self._copy_kernel = module.get_function("kv_checked_copy")
+        self._kernels = {name: module.get_function(name) for name in (
+            "kv_row_sums", "kv_finish_sums", "kv_checked_copy", "kv_count_good")}
         # Coefficients per row width, copied on this stream: every kernel that reads them here
         # runs after the copy.
         self._coefficients: dict[int, torch.Tensor] = {}
@@ -92,37 +134,32 @@ class LaneSums:
         self._freed: list[torch.cuda.Event | None] = []  # each buffer's last use
 
     def issue_store(self, copy: RowCopy, lane: torch.cuda.ExternalStream,
-                    end: torch.cuda.Event) -> torch.Tensor:
-        """Sum the store's GPU rows once `lane` copied them; records `end` after the sums.
-        Returns the pinned int64 sums, valid once `end` is."""
+                    end: torch.cuda.Event) -> SumsOutput:
+        """Sum the store's GPU rows once `lane` copied them; records `end` after the sums."""
         rows = copy.pairs[0][0]
         n = len(copy.src_rows)
+        ids = _pinned(copy.src_rows)
+        out = torch.empty(n, dtype=torch.int64, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record(lane)
-        out = torch.empty(n, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(copied)
-            ids = _to_device(copy.src_rows, self.device)
-            sums = torch.zeros(n, dtype=torch.int64, device=self.device)
             self._sum(rows.data_ptr(), rows.stride(0), ids.data_ptr(), n, int(rows.shape[1]),
-                      sums.data_ptr())
-            out.copy_(sums, non_blocking=True)
+                      out.data_ptr(), 0, 0)
             end.record(self.stream)
-        return out
+        return SumsOutput(out, False, (ids,))
 
     def issue_load(self, copy: RowCopy, lane: torch.cuda.ExternalStream, issue: Issue,
-                   end: torch.cuda.Event) -> torch.Tensor:
-        """Queue a checked load (see module doc); records `end` after its last rows went on.
-        Returns the pinned int64 [good rows], valid once `end` is."""
+                   end: torch.cuda.Event) -> SumsOutput:
+        """Queue a checked load (see module doc); records `end` after its last rows went on."""
         (host, gpu), = copy.pairs
         nbytes, n = int(host.shape[1]), len(copy.src_rows)
         per = max(1, base.STAGE_BYTES // nbytes)
         self._ensure_stages(per, nbytes)
+        ids, expect = _pinned(copy.dst_rows), _pinned(copy.expect)
         out = torch.empty(1, dtype=torch.int64, pin_memory=True)
         with torch.cuda.stream(self.stream):
-            expect = _to_device(copy.expect, self.device)
-            ids = _to_device(copy.dst_rows, self.device)
-            sums = torch.zeros(n, dtype=torch.int64, device=self.device)
+            ok = torch.empty(n, dtype=torch.int32, device=self.device)
         for k, start in enumerate(range(0, n, per)):
             rows = min(per, n - start)
             buf = k % len(self._stages)
@@ -135,47 +172,45 @@ class LaneSums:
             landed.record(lane)
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(landed)
-                self._sum(stage.data_ptr(), nbytes, 0, rows, nbytes,
-                          sums.data_ptr() + 8 * start)
-                self._copy(stage, gpu, ids, start, rows, sums, expect)
+                self._sum(stage.data_ptr(), nbytes, 0, rows, nbytes, 0,
+                          expect.data_ptr() + 8 * start, ok.data_ptr() + 4 * start)
+                self._launch("kv_checked_copy", (rows, self._splits(rows, nbytes)), (
+                    stage.data_ptr(), np.int64(nbytes), gpu.data_ptr(), np.int64(gpu.stride(0)),
+                    ids.data_ptr(), np.int64(start), ok.data_ptr(), np.int32(nbytes // 4)))
                 freed = torch.cuda.Event()
                 freed.record(self.stream)
             self._freed[buf] = freed
         with torch.cuda.stream(self.stream):
-            good = (sums == expect).to(torch.int64).cumprod_(0).sum()
-            out.copy_(good.view(1), non_blocking=True)
+            self._launch("kv_count_good", (1,), (ok.data_ptr(), np.int64(n), out.data_ptr()))
             end.record(self.stream)
-        return out
+        return SumsOutput(out, True, (ids, expect))
 
     def _sum(self, base_ptr: int, stride: int, ids_ptr: int, rows: int, nbytes: int,
-             out_ptr: int) -> None:
+             out_ptr: int, expect_ptr: int, ok_ptr: int) -> None:
+        """Sums of `rows` rows into out (or, with expect, their match flags into ok)."""
         words = nbytes // 4
-        splits = max(1, min(-(-_BLOCKS // rows), -(-words // _THREADS)))
         coef = self._coefficients.get(words)
         if coef is None:
-            with torch.cuda.stream(self.stream):
-                coef = self._coefficients[words] = _to_device(coefficient_array(words),
-                                                              self.device)
-        with self._launching():
-            self._sum_kernel((rows, splits), (_THREADS,), (
-                np.uint64(base_ptr), np.int64(stride), np.uint64(ids_ptr), np.int32(words),
-                np.uint64(coef.data_ptr()), np.uint64(out_ptr)))
+            coef = self._coefficients[words] = _pinned(coefficient_array(words)).to(
+                self.device, non_blocking=True)
+        splits = self._splits(rows, nbytes)
+        partial = torch.empty(rows * splits, dtype=torch.int64, device=self.device)
+        self._launch("kv_row_sums", (rows, splits), (
+            base_ptr, np.int64(stride), ids_ptr, np.int32(words), coef.data_ptr(),
+            partial.data_ptr()))
+        self._launch("kv_finish_sums", (-(-rows // _THREADS),), (
+            partial.data_ptr(), np.int32(splits), np.int32(rows), out_ptr, expect_ptr, ok_ptr))
 
-    def _copy(self, stage: torch.Tensor, gpu: torch.Tensor, ids: torch.Tensor, first: int,
-              rows: int, sums: torch.Tensor, expect: torch.Tensor) -> None:
-        words = int(stage.shape[1]) // 4
-        splits = max(1, min(-(-_BLOCKS // rows), -(-words // _THREADS)))
-        with self._launching():
-            self._copy_kernel((rows, splits), (_THREADS,), (
-                np.uint64(stage.data_ptr()), np.int64(stage.stride(0)), np.uint64(gpu.data_ptr()),
-                np.int64(gpu.stride(0)), np.uint64(ids.data_ptr()), np.int64(first),
-                np.uint64(sums.data_ptr()), np.uint64(expect.data_ptr()), np.int32(words)))
+    @staticmethod
+    def _splits(rows: int, nbytes: int) -> int:
+        return max(1, min(-(-_BLOCKS // rows), -(-(nbytes // 4) // _THREADS)))
 
-    @contextlib.contextmanager
-    def _launching(self) -> Iterator[None]:
+    def _launch(self, name: str, grid: tuple[int, ...], args: tuple[object, ...]) -> None:
+        """Launch a kernel on this side's stream (pointers go as uint64)."""
+        args = tuple(np.uint64(a) if type(a) is int else a for a in args)
         with self._cupy.cuda.Device(self.device.index), \
                 self._cupy.cuda.ExternalStream(self.stream.cuda_stream, self.device.index):
-            yield
+            self._kernels[name](grid, (_THREADS,), args)
 
     def _ensure_stages(self, rows: int, nbytes: int) -> None:
         if self._stages and tuple(self._stages[0].shape) == (rows, nbytes):
@@ -187,8 +222,6 @@ class LaneSums:
         self._freed = [None] * base.STAGE_BUFFERS
 
 
-def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """An int64 array to `device`, queued on the current stream (torch keeps the pinned copy
-    alive until the transfer ran)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64)).pin_memory().to(
-        device, non_blocking=True)
+def _pinned(values: np.ndarray) -> torch.Tensor:
+    """A copy of an int64 array in pinned host memory (a kernel reads it at its address)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).pin_memory()
