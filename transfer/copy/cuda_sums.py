@@ -18,7 +18,8 @@ without CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -127,6 +128,11 @@ class LaneSums:
         module = cupy.RawModule(code=_SOURCE)
         self._kernels = {name: module.get_function(name) for name in (
             "kv_row_sums", "kv_finish_sums", "kv_checked_copy", "kv_count_good")}
+        # Entered once per job: cupy launches on the current stream, and these objects cost
+        # more than a launch to make.
+        self._cupy_device = cupy.cuda.Device(device.index)
+        self._cupy_stream = cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+        self._partial = torch.empty(0, dtype=torch.int64, device=device)  # this stream's only
         # Coefficients per row width, copied on this stream: every kernel that reads them here
         # runs after the copy.
         self._coefficients: dict[int, torch.Tensor] = {}
@@ -142,7 +148,7 @@ class LaneSums:
         out = torch.empty(n, dtype=torch.int64, pin_memory=True)
         copied = torch.cuda.Event()
         copied.record(lane)
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             self.stream.wait_event(copied)
             self._sum(rows.data_ptr(), rows.stride(0), ids.data_ptr(), n, int(rows.shape[1]),
                       out.data_ptr(), 0, 0)
@@ -158,29 +164,27 @@ class LaneSums:
         self._ensure_stages(per, nbytes)
         ids, expect = _pinned(copy.dst_rows), _pinned(copy.expect)
         out = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        with torch.cuda.stream(self.stream):
+        arange = np.arange(per, dtype=np.int64)
+        with self._on_stream():
             ok = torch.empty(n, dtype=torch.int32, device=self.device)
-        for k, start in enumerate(range(0, n, per)):
-            rows = min(per, n - start)
-            buf = k % len(self._stages)
-            stage = self._stages[buf]
-            if self._freed[buf] is not None:
-                lane.wait_event(self._freed[buf])
-            issue(RowCopy(copy.job_id, ((host, stage),), copy.src_rows[start:start + rows],
-                          np.arange(rows, dtype=np.int64)), lane)
-            landed = torch.cuda.Event()
-            landed.record(lane)
-            with torch.cuda.stream(self.stream):
+            for k, start in enumerate(range(0, n, per)):
+                rows = min(per, n - start)
+                buf = k % len(self._stages)
+                stage = self._stages[buf]
+                if self._freed[buf] is not None:
+                    lane.wait_event(self._freed[buf])
+                issue(RowCopy(copy.job_id, ((host, stage),), copy.src_rows[start:start + rows],
+                              arange[:rows]), lane)
+                landed = torch.cuda.Event()
+                landed.record(lane)
                 self.stream.wait_event(landed)
                 self._sum(stage.data_ptr(), nbytes, 0, rows, nbytes, 0,
                           expect.data_ptr() + 8 * start, ok.data_ptr() + 4 * start)
                 self._launch("kv_checked_copy", (rows, self._splits(rows, nbytes)), (
                     stage.data_ptr(), np.int64(nbytes), gpu.data_ptr(), np.int64(gpu.stride(0)),
                     ids.data_ptr(), np.int64(start), ok.data_ptr(), np.int32(nbytes // 4)))
-                freed = torch.cuda.Event()
+                self._freed[buf] = freed = torch.cuda.Event()
                 freed.record(self.stream)
-            self._freed[buf] = freed
-        with torch.cuda.stream(self.stream):
             self._launch("kv_count_good", (1,), (ok.data_ptr(), np.int64(n), out.data_ptr()))
             end.record(self.stream)
         return SumsOutput(out, True, (ids, expect))
@@ -194,23 +198,28 @@ class LaneSums:
             coef = self._coefficients[words] = _pinned(coefficient_array(words)).to(
                 self.device, non_blocking=True)
         splits = self._splits(rows, nbytes)
-        partial = torch.empty(rows * splits, dtype=torch.int64, device=self.device)
+        if self._partial.numel() < rows * splits:  # freed in stream order: only this stream
+            self._partial = torch.empty(rows * splits, dtype=torch.int64, device=self.device)
+        partial = self._partial.data_ptr()
         self._launch("kv_row_sums", (rows, splits), (
-            base_ptr, np.int64(stride), ids_ptr, np.int32(words), coef.data_ptr(),
-            partial.data_ptr()))
+            base_ptr, np.int64(stride), ids_ptr, np.int32(words), coef.data_ptr(), partial))
         self._launch("kv_finish_sums", (-(-rows // _THREADS),), (
-            partial.data_ptr(), np.int32(splits), np.int32(rows), out_ptr, expect_ptr, ok_ptr))
+            partial, np.int32(splits), np.int32(rows), out_ptr, expect_ptr, ok_ptr))
 
     @staticmethod
     def _splits(rows: int, nbytes: int) -> int:
         return max(1, min(-(-_BLOCKS // rows), -(-(nbytes // 4) // _THREADS)))
 
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """torch's and cupy's current stream: this side's (torch allocates, cupy launches)."""
+        with torch.cuda.stream(self.stream), self._cupy_device, self._cupy_stream:
+            yield
+
     def _launch(self, name: str, grid: tuple[int, ...], args: tuple[object, ...]) -> None:
-        """Launch a kernel on this side's stream (pointers go as uint64)."""
-        args = tuple(np.uint64(a) if type(a) is int else a for a in args)
-        with self._cupy.cuda.Device(self.device.index), \
-                self._cupy.cuda.ExternalStream(self.stream.cuda_stream, self.device.index):
-            self._kernels[name](grid, (_THREADS,), args)
+        """Launch a kernel on the current stream (`_on_stream`); pointers go as uint64."""
+        self._kernels[name](grid, (_THREADS,), tuple(
+            np.uint64(a) if type(a) is int else a for a in args))
 
     def _ensure_stages(self, rows: int, nbytes: int) -> None:
         if self._stages and tuple(self._stages[0].shape) == (rows, nbytes):
