@@ -156,3 +156,32 @@ def test_a_checked_load_follows_compute_and_a_store_of_its_blocks_follows_it(rig
     assert done[2].good == 8 and list(done[3].sums) == sums
     assert torch.equal(rig.rows.cpu()[10:18], want)
     assert torch.equal(rig.pool.slots[20:28], want)  # the store copied what the load landed
+
+
+def test_rows_of_whole_words_but_not_16_bytes_sum_and_check_word_by_word() -> None:
+    """Rows of 1028 bytes (not whole 16-byte words): the kernels' word-by-word path."""
+    from transfer.copy.base import Segment
+
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (24, 1028), dtype=torch.uint8, generator=gen)
+    gpu = data.cuda()
+    host = torch.zeros(24, 1028, dtype=torch.uint8).pin_memory()
+    engine = TransferEngine([Segment(gpu, host)])
+    try:
+        assert engine.can_sum
+        assert engine.submit_store(1, list(range(24)), list(range(24)), sums=True)
+        engine.wait()
+        (stored,) = engine.get_finished()
+        assert list(stored.sums) == to_unsigned(row_sums(data))
+        host[9, 1027] ^= 0x80
+        gpu.fill_(POISON)
+        assert engine.submit_load(2, list(range(24)), list(range(23, -1, -1)),
+                                  expect=stored.sums)
+        engine.wait()
+        (loaded,) = engine.get_finished()
+        assert loaded.good == 9
+        back = gpu.cpu()
+        assert torch.equal(back[list(range(23, 14, -1))], data[:9])
+        assert bool((back[:15] == POISON).all())
+    finally:
+        engine.close()

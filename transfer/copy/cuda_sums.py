@@ -33,18 +33,33 @@ from transfer.copy.row_sums import coefficient_array
 Issue = Callable[[RowCopy, torch.cuda.ExternalStream], None]
 
 _SOURCE = r"""
+typedef unsigned long long u64;
+typedef long long i64;
+
 // Row j of `count` (blockIdx.x): its 32-bit words at base + (ids ? ids[j] : j) * stride; each
 // block sums its share of the words into partial[j * gridDim.y + blockIdx.y] (mod 2^64).
+// quads: the row is read 4 words (16 bytes) at a time (every row 16-byte aligned).
 extern "C" __global__ void kv_row_sums(const unsigned char* base, const long long stride,
-                                       const long long* ids, const int words,
+                                       const long long* ids, const int words, const int quads,
                                        const unsigned long long* coef,
                                        unsigned long long* partial) {
     const int j = blockIdx.x;
     const long long row = ids ? ids[j] : j;
     const int* w = (const int*)(base + row * stride);
+    const int step = gridDim.y * blockDim.x;
     unsigned long long acc = 0;
-    for (int k = blockIdx.y * blockDim.x + threadIdx.x; k < words; k += gridDim.y * blockDim.x)
-        acc += (unsigned long long)(long long)w[k] * coef[k];
+    if (quads) {
+        const int4* w4 = (const int4*)w;
+        for (int q = blockIdx.y * blockDim.x + threadIdx.x; q < words / 4; q += step) {
+            const int4 v = w4[q];
+            const unsigned long long* c = coef + 4 * q;
+            acc += (u64)(i64)v.x * c[0] + (u64)(i64)v.y * c[1] + (u64)(i64)v.z * c[2]
+                 + (u64)(i64)v.w * c[3];
+        }
+    } else {
+        for (int k = blockIdx.y * blockDim.x + threadIdx.x; k < words; k += step)
+            acc += (unsigned long long)(long long)w[k] * coef[k];
+    }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
     __shared__ unsigned long long part[32];
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
@@ -70,19 +85,25 @@ extern "C" __global__ void kv_finish_sums(const unsigned long long* partial, con
 }
 
 // Row j of a chunk is the job's row first + j: it goes from the stage to dst row ids[first + j]
-// only if rows 0 .. first + j of the job all matched (ok).
+// only if rows 0 .. first + j of the job all matched (ok). quads: 16 bytes at a time.
 extern "C" __global__ void kv_checked_copy(const unsigned char* stage, const long long stage_stride,
                                            unsigned char* dst, const long long dst_stride,
                                            const long long* ids, const long long first,
-                                           const int* ok, const int words) {
+                                           const int* ok, const int words, const int quads) {
     const long long g = first + blockIdx.x;
     int bad = 0;
     for (long long i = threadIdx.x; i <= g; i += blockDim.x) bad |= !ok[i];
     if (__syncthreads_or(bad)) return;
-    const int* src = (const int*)(stage + blockIdx.x * stage_stride);
-    int* out = (int*)(dst + ids[g] * dst_stride);
-    for (int k = blockIdx.y * blockDim.x + threadIdx.x; k < words; k += gridDim.y * blockDim.x)
-        out[k] = src[k];
+    const unsigned char* src = stage + blockIdx.x * stage_stride;
+    unsigned char* out = dst + ids[g] * dst_stride;
+    const int step = gridDim.y * blockDim.x;
+    if (quads) {
+        for (int q = blockIdx.y * blockDim.x + threadIdx.x; q < words / 4; q += step)
+            ((int4*)out)[q] = ((const int4*)src)[q];
+    } else {
+        for (int k = blockIdx.y * blockDim.x + threadIdx.x; k < words; k += step)
+            ((int*)out)[k] = ((const int*)src)[k];
+    }
 }
 
 // The job's leading matched rows, into *good (pinned host memory). One block.
@@ -151,7 +172,7 @@ class LaneSums:
         with self._on_stream():
             self.stream.wait_event(copied)
             self._sum(rows.data_ptr(), rows.stride(0), ids.data_ptr(), n, int(rows.shape[1]),
-                      out.data_ptr(), 0, 0)
+                      out.data_ptr(), 0, 0, _quads(rows))
             end.record(self.stream)
         return SumsOutput(out, False, (ids,))
 
@@ -163,6 +184,7 @@ class LaneSums:
         per = max(1, base.STAGE_BYTES // nbytes)
         self._ensure_stages(per, nbytes)
         ids, expect = _pinned(copy.dst_rows), _pinned(copy.expect)
+        quads = _quads(gpu)  # the stage's rows are whole 16-byte words where the cache's are
         out = torch.empty(1, dtype=torch.int64, pin_memory=True)
         arange = np.arange(per, dtype=np.int64)
         with self._on_stream():
@@ -179,10 +201,11 @@ class LaneSums:
                 landed.record(lane)
                 self.stream.wait_event(landed)
                 self._sum(stage.data_ptr(), nbytes, 0, rows, nbytes, 0,
-                          expect.data_ptr() + 8 * start, ok.data_ptr() + 4 * start)
-                self._launch("kv_checked_copy", (rows, self._splits(rows, nbytes)), (
+                          expect.data_ptr() + 8 * start, ok.data_ptr() + 4 * start, quads)
+                self._launch("kv_checked_copy", (rows, self._splits(rows, nbytes, quads)), (
                     stage.data_ptr(), np.int64(nbytes), gpu.data_ptr(), np.int64(gpu.stride(0)),
-                    ids.data_ptr(), np.int64(start), ok.data_ptr(), np.int32(nbytes // 4)))
+                    ids.data_ptr(), np.int64(start), ok.data_ptr(), np.int32(nbytes // 4),
+                    np.int32(quads)))
                 self._freed[buf] = freed = torch.cuda.Event()
                 freed.record(self.stream)
             self._launch("kv_count_good", (1,), (ok.data_ptr(), np.int64(n), out.data_ptr()))
@@ -190,25 +213,28 @@ class LaneSums:
         return SumsOutput(out, True, (ids, expect))
 
     def _sum(self, base_ptr: int, stride: int, ids_ptr: int, rows: int, nbytes: int,
-             out_ptr: int, expect_ptr: int, ok_ptr: int) -> None:
+             out_ptr: int, expect_ptr: int, ok_ptr: int, quads: bool) -> None:
         """Sums of `rows` rows into out (or, with expect, their match flags into ok)."""
         words = nbytes // 4
         coef = self._coefficients.get(words)
         if coef is None:
             coef = self._coefficients[words] = _pinned(coefficient_array(words)).to(
                 self.device, non_blocking=True)
-        splits = self._splits(rows, nbytes)
+        splits = self._splits(rows, nbytes, quads)
         if self._partial.numel() < rows * splits:  # freed in stream order: only this stream
             self._partial = torch.empty(rows * splits, dtype=torch.int64, device=self.device)
         partial = self._partial.data_ptr()
         self._launch("kv_row_sums", (rows, splits), (
-            base_ptr, np.int64(stride), ids_ptr, np.int32(words), coef.data_ptr(), partial))
+            base_ptr, np.int64(stride), ids_ptr, np.int32(words), np.int32(quads),
+            coef.data_ptr(), partial))
         self._launch("kv_finish_sums", (-(-rows // _THREADS),), (
             partial, np.int32(splits), np.int32(rows), out_ptr, expect_ptr, ok_ptr))
 
     @staticmethod
-    def _splits(rows: int, nbytes: int) -> int:
-        return max(1, min(-(-_BLOCKS // rows), -(-(nbytes // 4) // _THREADS)))
+    def _splits(rows: int, nbytes: int, quads: bool) -> int:
+        """Thread blocks per row: about _BLOCKS in all, none without a word to take."""
+        per_thread = 16 if quads else 4
+        return max(1, min(-(-_BLOCKS // rows), -(-nbytes // (per_thread * _THREADS))))
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:
@@ -229,6 +255,11 @@ class LaneSums:
         self._stages = [torch.empty(rows, nbytes, dtype=torch.uint8, device=self.device)
                         for _ in range(base.STAGE_BUFFERS)]
         self._freed = [None] * base.STAGE_BUFFERS
+
+
+def _quads(rows: torch.Tensor) -> bool:
+    """Whether every row of `rows` is whole, 16-byte aligned 16-byte words."""
+    return rows.data_ptr() % 16 == 0 and rows.stride(0) % 16 == 0 and rows.shape[1] % 16 == 0
 
 
 def _pinned(values: np.ndarray) -> torch.Tensor:
