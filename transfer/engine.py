@@ -22,6 +22,7 @@ Bad input raises ValueError before any byte moves. Call from one thread (the wor
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import torch
 from transfer.copy.base import Completion, CopyBackend, Lane, RowCopy, Segment
 from transfer.copy.factory import make_backend
 from transfer.copy.row_sums import to_int64, to_unsigned
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_STORE_BYTES = 2 << 30  # ~40 ms of stores at PCIe Gen5 x16 speed
 
@@ -86,13 +89,14 @@ class TransferEngine:
         self.num_gpu_blocks = int(self.segments[0].gpu.shape[0])
         self.num_slots = int(self.segments[0].host.shape[0])
         self.block_bytes = sum(seg.nbytes for seg in self.segments)
-        # Row sums need a block in one piece, of whole 32-bit words, each word-aligned.
-        gpu = self.segments[0].gpu
-        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
-            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0
         self.max_store_bytes = max_store_bytes
         self.backend = backend or make_backend("auto", self.segments[0].gpu.device)
         self.backend.check(self.segments)
+        # Row sums need a block in one piece, of whole 32-bit words, each word-aligned, and a
+        # backend that sums (a CUDA one needs cupy and NVRTC).
+        gpu = self.segments[0].gpu
+        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
+            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0 and self.backend.sums_rows
         self._store_pairs = tuple((seg.gpu, seg.host) for seg in self.segments)
         self._load_pairs = tuple((seg.host, seg.gpu) for seg in self.segments)
         self._lanes = {True: self.backend.new_lane(), False: self.backend.new_lane()}
@@ -135,6 +139,16 @@ class TransferEngine:
                                      f"ints, got {value!r} at {i}")
             expected = to_int64(values)
         return self._submit(job_id, False, gpu_block_ids, slot_ids, expect=expected)
+
+    def reserve_checked_loads(self) -> bool:
+        """Allocate now what loads with `expect` need (a GPU's staging buffers: 2 x 64 MiB);
+        False, logged, where that fails (then they would fail too: check them another way)."""
+        try:
+            self._lanes[False].reserve_checked_loads(self.block_bytes)
+        except Exception as exc:  # e.g. out of GPU memory next to the engine's cache
+            log.warning("no room for checked loads' staging (%s): checks stay on the host", exc)
+            return False
+        return True
 
     def check_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
                    gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> None:

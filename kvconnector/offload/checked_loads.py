@@ -20,6 +20,7 @@ until then, so the mapping outlives them).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class CheckedLoads:
             return False
         engine.check_load(job.job_id, job.slots[:head], job.block_ids[:head])
         # A missing checksum (a rank the commit lacks) fails its block's check.
-        sums = [s[self.rank] if self.rank < len(s) else None for s in job.sums[:checked]]
+        sums = rank_sums(job.sums[:checked], self.rank)
         sums += [None] * (checked - len(sums))
         step = max(1, CHUNK_BYTES // max(1, int(rows.shape[1])))
         # The first chunk is a block per thread: the copy starts after one block's check.
@@ -165,3 +166,8 @@ class CheckedLoads:
             for _, _, check in load.chunks:
                 if check is not None:
                     check.exception()
+
+
+def rank_sums(blocks: Sequence[Sequence[int]], rank: int) -> list[int | None]:
+    """Rank `rank`'s entry of each block's per-rank checksums (None where the block lacks it)."""
+    return [sums[rank] if rank < len(sums) else None for sums in blocks]

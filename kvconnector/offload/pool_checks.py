@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kvconnector.offload.checked_loads import CheckedLoads
+from kvconnector.offload.checked_loads import CheckedLoads, rank_sums
 from kvconnector.offload.jobs import TransferJob
 from transfer.engine import TransferEngine, TransferResult
 from transfer.shared.checks import SlotChecker
@@ -34,6 +34,7 @@ class PoolChecks:
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.row_sums = device.type in ROW_SUMS_DEVICES
+        self.sum_stores = self.check_loads = False  # set by `bind`, per copy engine
         self.checker = SlotChecker()
         self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
         self._row_sums: dict[int, tuple[int, ...]] = {}  # store being hashed -> its row sums
@@ -43,9 +44,15 @@ class PoolChecks:
 
     # ---- stores ---------------------------------------------------------------------------
 
-    def sums_store(self, job: TransferJob, engine: TransferEngine) -> bool:
+    def bind(self, engine: TransferEngine) -> None:
+        """A new copy engine (a new mapping of the pool): whether its stores take row sums and
+        its loads are checked by them (their staging allocated now, not in a step)."""
+        self.sum_stores = self.row_sums and engine.can_sum
+        self.check_loads = self.sum_stores and engine.reserve_checked_loads()
+
+    def sums_store(self, job: TransferJob) -> bool:
         """Whether the store's copy also takes its blocks' row sums."""
-        return self.row_sums and engine.can_sum and bool(job.checked)
+        return self.sum_stores and bool(job.checked)
 
     def store_submitted(self, job: TransferJob) -> None:
         if job.checked:
@@ -75,13 +82,13 @@ class PoolChecks:
 
     # ---- loads ----------------------------------------------------------------------------
 
-    def expected(self, job: TransferJob, head: int, engine: TransferEngine) -> list[int] | None:
+    def expected(self, job: TransferJob, head: int) -> list[int] | None:
         """This rank's row sums of the job's first `head` blocks, when the engine checks them on
         the way: every one of them is checked and carries them (else None: checked here)."""
-        if not (self.row_sums and engine.can_sum) or head == 0 or len(job.checked) < head or \
+        if not self.check_loads or head == 0 or len(job.checked) < head or \
                 len(job.row_sums) < head:
             return None
-        sums = [s[self.rank] if self.rank < len(s) else None for s in job.row_sums[:head]]
+        sums = rank_sums(job.row_sums[:head], self.rank)
         return None if None in sums else sums
 
     def fetched(self, job: TransferJob, rows: torch.Tensor,

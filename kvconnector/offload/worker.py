@@ -175,6 +175,8 @@ class OffloadWorker:
             raise
         self.pool, self.engine = pool, engine
         self._rows = pool.rows(offset, self.block_bytes)
+        if self.checks is not None:
+            self.checks.bind(engine)
         if self.disk is not None:
             self.disk.rebind(self._rows, self._disk_room())
         if self._make_fetcher is not None:
@@ -258,7 +260,7 @@ class OffloadWorker:
         """Copy the job's first `head` slots into its first `head` blocks; the shared pool's
         blocks among them only once checked."""
         # Submit (or check the ids) first: bad input raises before anything is registered here.
-        expect = None if self.checks is None else self.checks.expected(job, head, self.engine)
+        expect = None if self.checks is None else self.checks.expected(job, head)
         if expect is not None:  # checked on the way, by row sums
             self.engine.submit_load(job.job_id, job.slots[:head], job.block_ids[:head],
                                     expect=expect)
@@ -283,8 +285,8 @@ class OffloadWorker:
 
     def _submit_store(self, job: TransferJob) -> None:
         # A dropped store (False) still reaches get_finished, as failed: it is registered.
-        self.engine.submit_store(job.job_id, job.block_ids, job.slots, sums=self.checks
-                                 is not None and self.checks.sums_store(job, self.engine))
+        self.engine.submit_store(job.job_id, job.block_ids, job.slots,
+                                 sums=self.checks is not None and self.checks.sums_store(job))
         if self.checks is not None:  # hashed once copied
             self.checks.store_submitted(job)
         if job.keys and self.remote is not None:

@@ -185,3 +185,46 @@ def test_rows_of_whole_words_but_not_16_bytes_sum_and_check_word_by_word() -> No
         assert bool((back[:15] == POISON).all())
     finally:
         engine.close()
+
+
+def test_a_checked_load_whose_issue_fails_part_way_lands_nothing_wrong(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DMA of its second stage fails to issue: the job fails, what the kernels queued before
+    the failure still reads the job's own ids (held by its completion), and no block outside the
+    job's changes; the lane then loads correctly."""
+    monkeypatch.setattr(base, "STAGE_BYTES", 2 * LAYOUT.block_bytes)
+    assert rig.engine.submit_store(1, list(range(8)), list(range(8)), sums=True)
+    rig.engine.wait()
+    sums = list(rig.finished()[1].sums)
+    want = rig.pool.slots[:8].clone()
+    rig.cache.raw.fill_(POISON)
+    lane = rig.engine._lanes[False]
+    real, calls = lane._issue, []
+
+    def failing(copy: object, stream: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the second stage's DMA")
+        real(copy, stream)
+
+    monkeypatch.setattr(lane, "_issue", failing)
+    dst = list(range(40, 48))
+    rig.engine.submit_load(2, list(range(8)), dst, expect=sums)
+    # New pinned buffers while the failed job's kernels may still run: none may reuse its ids.
+    junk = [torch.full((len(dst),), 63, dtype=torch.int64).pin_memory() for _ in range(8)]
+    assert rig.engine.wait(timeout=120)
+    failed = rig.finished()[2]
+    assert not failed.ok and failed.good is None and failed.nbytes == 0
+    cache = rig.rows.cpu()
+    others = sorted(set(range(64)) - set(dst))
+    assert bool((cache[others] == POISON).all())  # block 63 above all
+    landed = [i for i, b in enumerate(dst) if not bool((cache[b] == POISON).all())]
+    assert landed in ([], [0, 1])  # at most the first stage's, and then exact
+    for i in landed:
+        assert torch.equal(cache[dst[i]], want[i])
+    monkeypatch.setattr(lane, "_issue", real)
+    rig.cache.raw.fill_(POISON)
+    assert rig.engine.submit_load(3, list(range(8)), dst, expect=sums)
+    assert rig.engine.wait(timeout=120) and rig.finished()[3].good == 8
+    assert torch.equal(rig.rows.cpu()[dst], want)
+    del junk

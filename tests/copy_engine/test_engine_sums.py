@@ -173,3 +173,22 @@ def test_rows_of_partial_words_refuse_sums() -> None:
         assert engine.wait(None, TIMEOUT) and engine.get_finished()[0].sums == ()
     finally:
         engine.close()
+
+
+class _NoSums(ThreadBackend):
+    """A backend whose lanes cannot sum (a CUDA one without cupy or NVRTC) and whose lanes
+    cannot stage checked loads."""
+
+    sums_rows = False
+
+
+def test_a_backend_that_cannot_sum_refuses_sums() -> None:
+    gpu, host = torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 64, dtype=torch.uint8)
+    engine = TransferEngine([Segment(gpu, host)], _NoSums())
+    try:
+        assert not engine.can_sum
+        with pytest.raises(ValueError, match="row sums need"):
+            engine.submit_store(1, [0], [0], sums=True)
+        assert engine.reserve_checked_loads()  # host lanes stage nothing
+    finally:
+        engine.close()

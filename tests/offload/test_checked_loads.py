@@ -148,3 +148,4 @@ def test_bad_ids_raise_before_any_check_runs(bench: Bench) -> None:
             bench.loads.start(job, 2, bench.slots, bench.engine)
     assert bench.run() == []
     assert bool((bench.cache == POISON).all())
+

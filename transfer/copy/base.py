@@ -159,6 +159,11 @@ class Lane(ABC):
     def close(self) -> None:
         """Release the lane; only call when everything submitted to it is done."""
 
+    def reserve_checked_loads(self, row_bytes: int) -> None:
+        """Allocate now what checked loads of rows of `row_bytes` need (GPU staging buffers);
+        raises where that fails. Nothing to do on a host lane."""
+        return None
+
 
 class CopyBackend(ABC):
     """Makes lanes for one device and says which tensors it can copy."""
@@ -176,6 +181,11 @@ class CopyBackend(ABC):
     def mark_compute(self) -> Completion | None:
         """A point after all work queued so far on the caller's compute stream (None on CPU)."""
         return None
+
+    @property
+    def sums_rows(self) -> bool:
+        """Whether this backend's lanes take row sums (RowCopy.take_sums / expect)."""
+        return True
 
 
 # -- CPU backend: one thread per lane ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""CUDA copy backends: a lane is a dedicated non-blocking stream; events order and time the jobs.
+"""CUDA copy backends: a lane is a dedicated non-blocking stream (transfer/copy/cuda_lane.py);
+events order and time the jobs.
 
 Three ways to issue one job's copies onto a lane's stream:
 - `DmaBackend`: the copy engines. The driver's cuMemcpyBatchAsync (CUDA >= 12.8) with the
@@ -9,19 +10,15 @@ Three ways to issue one job's copies onto a lane's stream:
 - `AutoCudaBackend` ("auto" on CUDA): DMA, except loads of pages under 28 KiB, which 12 SMs copy,
   as vLLM 0.32 does: per-copy DMA overhead leaves such pages at 0.07-0.39 of the PCIe ceiling
   (4-16 KiB, H200).
-
-Streams are created here, not taken from torch's stream pool (which hands the same 32 streams
-round-robin to every caller, so a lane could end up queued behind someone else's work).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
-from types import ModuleType
 
 import numpy as np
 import torch
@@ -33,11 +30,10 @@ from transfer.copy.cuda_driver import (
     BatchCopy,
     MemcpyAttributes,
 )
-from transfer.copy.cuda_sums import LaneSums, SumsOutput
+from transfer.copy.cuda_lane import CudaCompletion, StreamLane, check, runtime
 
 log = logging.getLogger(__name__)
 
-_POLL_SECONDS = 1e-4
 # A job's copies go to the copy engines in batches of growing size: 32 copies, then twice as many
 # each time. The engines idle until a batch call returns, and one call for 1024 copies takes ~1 ms
 # of host time: 3% of a 2 GiB job at 2 MiB blocks, 13% at 256 KiB (H200, 2026-11-22). In batches,
@@ -47,130 +43,6 @@ _FIRST_BATCH = 32
 _BATCH_GROWTH = 2
 # cupy.cuda.runtime's value of cudaMemcpyDefault: the direction follows from the addresses (UVA).
 _MEMCPY_DEFAULT = 4
-
-
-def _runtime() -> ModuleType:
-    from cuda.bindings import runtime
-
-    return runtime
-
-
-def _check(err: object, what: str) -> None:
-    if int(err) != 0:  # cudaSuccess
-        raise RuntimeError(f"{what} failed: {err}")
-
-
-class CudaCompletion(Completion):
-    """The end event of a job on a lane (and its start event, for timing)."""
-
-    def __init__(self, start: torch.cuda.Event | None, end: torch.cuda.Event | None,
-                 error: BaseException | None = None, output: SumsOutput | None = None) -> None:
-        self.start, self.end, self.error = start, end, error
-        self._output = output  # a summing job's results, written by its end
-        # A job that failed part-way may have queued copies before the failure: it is done only
-        # when its end event is (nothing may reuse its blocks or slots earlier). Done at once
-        # only when nothing was queued.
-        self._done = end is None
-
-    def done(self) -> bool:
-        if not self._done:
-            try:
-                self._done = self.end.query()  # type: ignore[union-attr]
-            except RuntimeError as exc:  # an asynchronous CUDA error surfaced here
-                self.error, self._done = exc, True
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if timeout is None and not self._done:
-            try:
-                self.end.synchronize()  # type: ignore[union-attr]
-            except RuntimeError as exc:
-                self.error = exc
-            self._done = True
-        deadline = time.monotonic() + (timeout or 0.0)
-        while not self.done():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_SECONDS)
-        return True
-
-    @property
-    def ok(self) -> bool:
-        return self.done() and self.error is None
-
-    @property
-    def seconds(self) -> float:
-        if self.start is None or not self.ok:
-            return 0.0
-        return self.start.elapsed_time(self.end) / 1e3
-
-    @property
-    def sums(self) -> np.ndarray | None:
-        out = self._output
-        return out.values.numpy().copy() if out and not out.is_load and self.ok else None
-
-    @property
-    def good(self) -> int | None:
-        out = self._output
-        return int(out.values[0]) if out and out.is_load and self.ok else None
-
-
-def _new_stream(device: torch.device) -> tuple[object, torch.cuda.ExternalStream]:
-    rt = _runtime()
-    with torch.cuda.device(device):
-        err, handle = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
-        _check(err, "cudaStreamCreateWithFlags")
-    return handle, torch.cuda.ExternalStream(int(handle), device=device)
-
-
-class _StreamLane(Lane):
-    def __init__(self, backend: _CudaBackend) -> None:
-        self._backend = backend
-        self._handle, self.stream = _new_stream(backend.device)
-        self._sums: LaneSums | None = None  # its second stream, made at the first summed job
-        self._sums_handle: object = None
-
-    def submit(self, copy: RowCopy, after: Sequence[Completion]) -> Completion:
-        if any(prior.done() and not prior.ok for prior in after):
-            return CudaCompletion(None, None, RuntimeError(
-                f"job {copy.job_id}: a job it must follow failed; nothing copied"))
-        with torch.cuda.device(self._backend.device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            for prior in after:
-                self.stream.wait_event(prior.end)  # type: ignore[attr-defined]
-            start.record(self.stream)
-            error: BaseException | None = None
-            output = None
-            try:
-                if copy.expect is not None:
-                    output = self._summing().issue_load(copy, self.stream, self._backend.issue,
-                                                        end)
-                else:
-                    self._backend.issue(copy, self.stream)
-                    if copy.take_sums:
-                        output = self._summing().issue_store(copy, self.stream, end)
-            except Exception as exc:  # reported as a failed job, never raised into the step
-                log.error("job %s: issuing %d copies failed: %s", copy.job_id,
-                          len(copy.src_rows) * len(copy.pairs), exc)
-                error = exc
-            if error is not None and self._sums is not None:
-                self.stream.wait_stream(self._sums.stream)  # what was queued there ends first
-            if error is not None or output is None:
-                end.record(self.stream)
-        return CudaCompletion(start, end, error, output)
-
-    def _summing(self) -> LaneSums:
-        if self._sums is None:
-            self._sums_handle, stream = _new_stream(self._backend.device)
-            self._sums = LaneSums(self._backend.device, stream)
-        return self._sums
-
-    def close(self) -> None:
-        for handle in (self._handle, self._sums_handle):
-            if handle is not None:
-                _runtime().cudaStreamDestroy(handle)
-        self._handle = self._sums_handle = None
 
 
 class _CudaBackend(CopyBackend):
@@ -190,7 +62,14 @@ class _CudaBackend(CopyBackend):
                 raise ValueError(f"segment {i} host tensor is on {seg.host.device}, not the host")
 
     def new_lane(self) -> Lane:
-        return _StreamLane(self)
+        return StreamLane(self.device, self.issue)
+
+    @functools.cached_property
+    def sums_rows(self) -> bool:
+        """Whether lanes here take row sums (transfer/copy/cuda_sums.py: cupy and NVRTC)."""
+        from transfer.copy import cuda_sums
+
+        return cuda_sums.available(self.device.index)
 
     def mark_compute(self) -> Completion:
         event = torch.cuda.Event()
@@ -246,7 +125,7 @@ class DmaBackend(_CudaBackend):
             with torch.cuda.device(self.device):
                 src = torch.arange(256, dtype=torch.int32, device=self.device).view(torch.uint8)
                 dst = torch.zeros_like(src)
-                lane = _StreamLane(self)
+                lane = StreamLane(self.device, self.issue)
                 try:
                     lane.stream.wait_stream(torch.cuda.current_stream(self.device))
                     dsts, srcs, sizes = (np.array([value], dtype=np.int64) for value in
@@ -330,10 +209,10 @@ class SmCopyBackend(_CudaBackend):
 
     def check(self, segments: Sequence[Segment]) -> None:
         super().check(segments)
-        rt = _runtime()
+        rt = runtime()
         err, same_address = rt.cudaDeviceGetAttribute(
             rt.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem, self.device.index)
-        _check(err, "cudaDeviceGetAttribute")
+        check(err, "cudaDeviceGetAttribute")
         if not same_address:
             raise ValueError(f"{self.device} cannot use host pointers of registered memory; "
                              f"the SM copy needs them (use the 'dma' backend)")

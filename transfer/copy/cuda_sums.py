@@ -19,9 +19,11 @@ without CUDA.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from transfer.copy.base import RowCopy
 from transfer.copy.row_sums import coefficient_array
 
 Issue = Callable[[RowCopy, torch.cuda.ExternalStream], None]
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 typedef unsigned long long u64;
@@ -71,29 +74,31 @@ extern "C" __global__ void kv_row_sums(const unsigned char* base, const long lon
     }
 }
 
-// Row j < count: its sum from `splits` partials into out[j]; with `expect`, ok[j] instead says
-// whether it matched (expect and out may be pinned host memory: read and written in place).
+// Row j < count: its sum from `splits` partials into out[j]; with `expect` (the job's row
+// first + j expects expect[j]), a row that differs lowers *first_bad to its job row instead.
+// expect and out may be pinned host memory: read and written in place.
 extern "C" __global__ void kv_finish_sums(const unsigned long long* partial, const int splits,
                                           const int count, unsigned long long* out,
-                                          const unsigned long long* expect, int* ok) {
+                                          const unsigned long long* expect,
+                                          const long long first, long long* first_bad) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= count) return;
     unsigned long long sum = 0;
     for (int y = 0; y < splits; y++) sum += partial[j * splits + y];
-    if (expect) ok[j] = sum == expect[j];
-    else out[j] = sum;
+    if (!expect) out[j] = sum;
+    else if (sum != expect[j]) atomicMin((unsigned long long*)first_bad, (u64)(first + j));
 }
 
 // Row j of a chunk is the job's row first + j: it goes from the stage to dst row ids[first + j]
-// only if rows 0 .. first + j of the job all matched (ok). quads: 16 bytes at a time.
+// only if rows 0 .. first + j of the job all matched: every earlier chunk's and this one's
+// sums are in *first_bad by now (stream order). quads: 16 bytes at a time.
 extern "C" __global__ void kv_checked_copy(const unsigned char* stage, const long long stage_stride,
                                            unsigned char* dst, const long long dst_stride,
                                            const long long* ids, const long long first,
-                                           const int* ok, const int words, const int quads) {
+                                           const long long* first_bad, const int words,
+                                           const int quads) {
     const long long g = first + blockIdx.x;
-    int bad = 0;
-    for (long long i = threadIdx.x; i <= g; i += blockDim.x) bad |= !ok[i];
-    if (__syncthreads_or(bad)) return;
+    if (g >= *first_bad) return;
     const unsigned char* src = stage + blockIdx.x * stage_stride;
     unsigned char* out = dst + ids[g] * dst_stride;
     const int step = gridDim.y * blockDim.x;
@@ -106,15 +111,11 @@ extern "C" __global__ void kv_checked_copy(const unsigned char* stage, const lon
     }
 }
 
-// The job's leading matched rows, into *good (pinned host memory). One block.
-extern "C" __global__ void kv_count_good(const int* ok, const long long count, long long* good) {
-    __shared__ long long first_bad;
-    if (threadIdx.x == 0) first_bad = count;
-    __syncthreads();
-    for (long long i = threadIdx.x; i < count; i += blockDim.x)
-        if (!ok[i]) atomicMin((unsigned long long*)&first_bad, (unsigned long long)i);
-    __syncthreads();
-    if (threadIdx.x == 0) *good = first_bad;
+// *first_bad = count (the job's start), or *good = *first_bad (its end: pinned host memory).
+extern "C" __global__ void kv_first_bad(long long* first_bad, const long long count,
+                                        long long* good) {
+    if (good) *good = *first_bad;
+    else *first_bad = count;
 }
 """
 _THREADS = 256
@@ -148,10 +149,10 @@ class LaneSums:
         import cupy
 
         self.device, self.stream = device, stream
-        self._cupy: ModuleType = cupy
-        module = cupy.RawModule(code=_SOURCE)
-        self._kernels = {name: module.get_function(name) for name in (
-            "kv_row_sums", "kv_finish_sums", "kv_checked_copy", "kv_count_good")}
+        self._kernels = kernels(device.index)
+        # Held from a job's first launch: a job whose issue failed part-way hands them to its
+        # completion, so kernels queued before the failure never read freed pinned memory.
+        self.holding: SumsOutput | None = None
         # Entered once per job: cupy launches on the current stream, and these objects cost
         # more than a launch to make.
         self._cupy_device = cupy.cuda.Device(device.index)
@@ -170,14 +171,16 @@ class LaneSums:
         n = len(copy.src_rows)
         ids = _pinned(copy.src_rows)
         out = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        self.holding = SumsOutput(out, False, (ids,))
         copied = torch.cuda.Event()
         copied.record(lane)
         with self._on_stream():
             self.stream.wait_event(copied)
-            self._sum(rows.data_ptr(), rows.stride(0), ids.data_ptr(), n, int(rows.shape[1]),
-                      out.data_ptr(), 0, 0, _quads(rows))
+            if n:
+                self._sum(rows.data_ptr(), rows.stride(0), ids.data_ptr(), n,
+                          int(rows.shape[1]), out.data_ptr(), 0, 0, 0, _quads(rows))
             end.record(self.stream)
-        return SumsOutput(out, False, (ids,))
+        return self.holding
 
     def issue_load(self, copy: RowCopy, lane: torch.cuda.ExternalStream, issue: Issue,
                    end: torch.cuda.Event) -> SumsOutput:
@@ -189,9 +192,11 @@ class LaneSums:
         ids, expect = _pinned(copy.dst_rows), _pinned(copy.expect)
         quads = _quads(gpu)  # the stage's rows are whole 16-byte words where the cache's are
         out = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self.holding = SumsOutput(out, True, (ids, expect))
         arange = np.arange(per, dtype=np.int64)
         with self._on_stream():
-            ok = torch.empty(n, dtype=torch.int32, device=self.device)
+            first_bad = torch.empty(1, dtype=torch.int64, device=self.device)
+            self._launch("kv_first_bad", (1,), (first_bad.data_ptr(), np.int64(n), 0), threads=1)
             for k, start in enumerate(range(0, n, per)):
                 rows = min(per, n - start)
                 buf = k % len(self._stages)
@@ -204,20 +209,22 @@ class LaneSums:
                 landed.record(lane)
                 self.stream.wait_event(landed)
                 self._sum(stage.data_ptr(), nbytes, 0, rows, nbytes, 0,
-                          expect.data_ptr() + 8 * start, ok.data_ptr() + 4 * start, quads)
+                          expect.data_ptr() + 8 * start, start, first_bad.data_ptr(), quads)
                 self._launch("kv_checked_copy", (rows, self._splits(rows, nbytes, quads)), (
                     stage.data_ptr(), np.int64(nbytes), gpu.data_ptr(), np.int64(gpu.stride(0)),
-                    ids.data_ptr(), np.int64(start), ok.data_ptr(), np.int32(nbytes // 4),
+                    ids.data_ptr(), np.int64(start), first_bad.data_ptr(), np.int32(nbytes // 4),
                     np.int32(quads)))
                 self._freed[buf] = freed = torch.cuda.Event()
                 freed.record(self.stream)
-            self._launch("kv_count_good", (1,), (ok.data_ptr(), np.int64(n), out.data_ptr()))
+            self._launch("kv_first_bad", (1,), (first_bad.data_ptr(), np.int64(n),
+                                                 out.data_ptr()), threads=1)
             end.record(self.stream)
-        return SumsOutput(out, True, (ids, expect))
+        return self.holding
 
     def _sum(self, base_ptr: int, stride: int, ids_ptr: int, rows: int, nbytes: int,
-             out_ptr: int, expect_ptr: int, ok_ptr: int, quads: bool) -> None:
-        """Sums of `rows` rows into out (or, with expect, their match flags into ok)."""
+             out_ptr: int, expect_ptr: int, first: int, first_bad_ptr: int, quads: bool) -> None:
+        """Sums of `rows` rows into out (or, with expect, the first that differs, as the job's
+        row first + j, into first_bad)."""
         words = nbytes // 4
         coef = self._coefficients.get(words)
         if coef is None:
@@ -231,7 +238,8 @@ class LaneSums:
             base_ptr, np.int64(stride), ids_ptr, np.int32(words), np.int32(quads),
             coef.data_ptr(), partial))
         self._launch("kv_finish_sums", (-(-rows // _THREADS),), (
-            partial, np.int32(splits), np.int32(rows), out_ptr, expect_ptr, ok_ptr))
+            partial, np.int32(splits), np.int32(rows), out_ptr, expect_ptr, np.int64(first),
+            first_bad_ptr))
 
     @staticmethod
     def _splits(rows: int, nbytes: int, quads: bool) -> int:
@@ -245,19 +253,45 @@ class LaneSums:
         with torch.cuda.stream(self.stream), self._cupy_device, self._cupy_stream:
             yield
 
-    def _launch(self, name: str, grid: tuple[int, ...], args: tuple[object, ...]) -> None:
+    def _launch(self, name: str, grid: tuple[int, ...], args: tuple[object, ...],
+                threads: int = _THREADS) -> None:
         """Launch a kernel on the current stream (`_on_stream`); pointers go as uint64."""
-        self._kernels[name](grid, (_THREADS,), tuple(
+        self._kernels[name](grid, (threads,), tuple(
             np.uint64(a) if type(a) is int else a for a in args))
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate the staging buffers for rows of `nbytes` now (not at the first load)."""
+        self._ensure_stages(max(1, base.STAGE_BYTES // nbytes), nbytes)
 
     def _ensure_stages(self, rows: int, nbytes: int) -> None:
         if self._stages and tuple(self._stages[0].shape) == (rows, nbytes):
             return
-        if self._stages:  # rows of another size (not within one engine): the old buffers'
-            torch.cuda.synchronize(self.device)  # work finishes first
+        if self._stages:  # rows of another size (only where STAGE_BYTES changed, in tests):
+            torch.cuda.synchronize(self.device)  # the old buffers' work finishes first
         self._stages = [torch.empty(rows, nbytes, dtype=torch.uint8, device=self.device)
                         for _ in range(base.STAGE_BUFFERS)]
         self._freed = [None] * base.STAGE_BUFFERS
+
+
+@functools.cache
+def kernels(device_index: int) -> dict[str, Any]:
+    """The kernels, compiled once per process and device (NVRTC; cupy caches the binary)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=_SOURCE)
+        return {name: module.get_function(name) for name in (
+            "kv_row_sums", "kv_finish_sums", "kv_checked_copy", "kv_first_bad")}
+
+
+def available(device_index: int) -> bool:
+    """Whether the kernels run here (cupy present, NVRTC compiles them); logs why not."""
+    try:
+        kernels(device_index)
+    except Exception as exc:  # no cupy, no NVRTC: row sums are off, xxh3 checks remain
+        log.warning("row sums are off on cuda:%d: %s", device_index, exc)
+        return False
+    return True
 
 
 def _quads(rows: torch.Tensor) -> bool:

@@ -4,16 +4,18 @@ A shared pool's reader must check each block before it reaches its cache. xxh3 o
 does not keep up with a 55 GB/s DMA and starves the caller of the GIL (docs/benchmarks.md,
 "Shared host pool"), so GPU engines also take this sum: the writer on its cache rows right after
 the store copy, the reader on a GPU staging copy of the slot, before the block goes on into its
-cache (`checked_copy`), with nothing on the host between the two.
+cache (transfer/copy/cuda_sums.py: kernels computing exactly what `row_sums` here does; CPU
+lanes run this torch code, `checked_copy` included), with nothing on the host between the two.
 
 The sum of a row is sum_k c_k * w_k mod 2^64 over its 32-bit words w_k (read as int64), with
-fixed pseudo-random 64-bit coefficients c_k (splitmix64 of k): a multilinear hash. A change of
-the row that does not depend on the coefficients passes with probability at most 2^-33 (a
-32-bit difference times a uniform 64-bit coefficient is uniform over the multiples of the
-difference's lowest set bit). Unlike 64-bit words times odd constants, a bit flipped in two
-words never cancels out. It is not keyed against an adversary: whoever can write the pool's
-slots can write its index too. The same torch code runs on any device, so CPU workers and CI
-compute exactly what a GPU does.
+fixed pseudo-random 64-bit coefficients c_k (splitmix64 of k): a multilinear hash. For random
+coefficients, a given change of the row passes with probability at most 2^-33 (a 32-bit
+difference times a uniform 64-bit coefficient is uniform over the multiples of the difference's
+lowest set bit); the coefficients are fixed, so that holds for changes that do not depend on
+them (a stray write, a bad page). Unlike 64-bit words times odd constants (where the top bit
+flipped in any two words always cancels), no bit pattern cancels for every choice. It is not
+keyed against an adversary: whoever can write the pool's slots can write its index too. The
+same torch code runs on any device.
 """
 
 from __future__ import annotations

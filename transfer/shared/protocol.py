@@ -21,7 +21,7 @@ from pathlib import Path
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
 PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields, in order
-PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, per-rank checksums], all pinned; None when
+PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, checksums (block_sums)], all pinned; None when
 #                                one is not stored
 CHECKSUMS = "checksums"  # (keys) -> per key: the checksums it was committed with, or None
 STATS = "stats"  # () -> dict
