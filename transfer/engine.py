@@ -22,6 +22,7 @@ Bad input raises ValueError before any byte moves. Call from one thread (the wor
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -92,11 +93,6 @@ class TransferEngine:
         self.max_store_bytes = max_store_bytes
         self.backend = backend or make_backend("auto", self.segments[0].gpu.device)
         self.backend.check(self.segments)
-        # Row sums need a block in one piece, of whole 32-bit words, each word-aligned, and a
-        # backend that sums (a CUDA one needs cupy and NVRTC).
-        gpu = self.segments[0].gpu
-        self.can_sum = len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
-            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0 and self.backend.sums_rows
         self._store_pairs = tuple((seg.gpu, seg.host) for seg in self.segments)
         self._load_pairs = tuple((seg.host, seg.gpu) for seg in self.segments)
         self._lanes = {True: self.backend.new_lane(), False: self.backend.new_lane()}
@@ -105,6 +101,15 @@ class TransferEngine:
         self._jobs: dict[int, _Job] = {}  # accepted and not yet reported, in submission order
         self._dropped: dict[int, TransferResult] = {}
         self._closed = False
+
+    @functools.cached_property
+    def can_sum(self) -> bool:
+        """Whether jobs here may take row sums: a block in one piece, of whole 32-bit words,
+        each word-aligned, and a backend that sums (a CUDA one compiles its kernels when first
+        asked: engines that never sum never need cupy or NVRTC)."""
+        gpu = self.segments[0].gpu
+        return len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
+            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0 and self.backend.sums_rows
 
     # -- verbs -----------------------------------------------------------------------------
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor,
