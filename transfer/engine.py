@@ -104,12 +104,17 @@ class TransferEngine:
 
     @functools.cached_property
     def can_sum(self) -> bool:
-        """Whether jobs here may take row sums: a block in one piece, of whole 32-bit words,
-        each word-aligned, and a backend that sums (a CUDA one compiles its kernels when first
-        asked: engines that never sum never need cupy or NVRTC)."""
+        """Whether jobs here may take row sums: blocks that can be summed (`_summable`) and a
+        backend that sums (a CUDA one compiles its kernels when first asked: engines that never
+        sum never need cupy or NVRTC)."""
+        return self._summable and self.backend.sums_rows
+
+    @property
+    def _summable(self) -> bool:
+        """A block in one piece, of whole 32-bit words, each word-aligned."""
         gpu = self.segments[0].gpu
         return len(self.segments) == 1 and self.block_bytes % 4 == 0 and \
-            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0 and self.backend.sums_rows
+            gpu.data_ptr() % 4 == 0 and gpu.stride(0) % 4 == 0
 
     # -- verbs -----------------------------------------------------------------------------
     def submit_store(self, job_id: int, gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor,
@@ -212,10 +217,14 @@ class TransferEngine:
 
     # -- internals -------------------------------------------------------------------------
     def _check_can_sum(self, job_id: int) -> None:
-        if not self.can_sum:
-            raise ValueError(f"job {job_id}: row sums need blocks of one segment of whole 32-bit "
-                             f"words, word-aligned; these blocks are {len(self.segments)} "
-                             f"segment(s) of {self.block_bytes} bytes")
+        if self.can_sum:
+            return
+        if self._summable:  # the blocks are not the reason: do not blame them
+            raise ValueError(f"job {job_id}: row sums need a backend that sums; the "
+                             f"{self.backend.name} backend here cannot (see the log)")
+        raise ValueError(f"job {job_id}: row sums need blocks of one segment of whole 32-bit "
+                         f"words, word-aligned; these blocks are {len(self.segments)} "
+                         f"segment(s) of {self.block_bytes} bytes")
 
     def _submit(self, job_id: int, is_store: bool, gpu_block_ids: object,
                 slot_ids: object, take_sums: bool = False,
