@@ -142,11 +142,15 @@ class TransferEngine:
         if expect is not None:
             self._check_can_sum(job_id)
             values = list(expect)
-            for i, value in enumerate(values):  # numpy would take 2.5, "7" or True as ints
-                if isinstance(value, bool) or not isinstance(value, int | np.integer) \
-                        or not 0 <= int(value) < 1 << 64:
-                    raise ValueError(f"job {job_id}: expected sums must be unsigned 64-bit "
-                                     f"ints, got {value!r} at {i}")
+            # numpy would take 2.5, "7" or True as ints. The common case (Python ints in range)
+            # is checked in C, ~0.1 ms per 1024 sums; the loop, ~0.3-0.5 ms, only names a bad one.
+            if not (values and set(map(type, values)) <= {int}
+                    and min(values) >= 0 and max(values) < 1 << 64):
+                for i, value in enumerate(values):
+                    if isinstance(value, bool) or not isinstance(value, int | np.integer) \
+                            or not 0 <= int(value) < 1 << 64:
+                        raise ValueError(f"job {job_id}: expected sums must be unsigned 64-bit "
+                                         f"ints, got {value!r} at {i}")
             expected = to_int64(values)
         return self._submit(job_id, False, gpu_block_ids, slot_ids, expect=expected)
 

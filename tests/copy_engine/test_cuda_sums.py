@@ -17,13 +17,17 @@ import torch
 
 from kvconnector.layout.allocator import allocate
 from kvconnector.layout.descriptor import KVLayout
-from transfer.copy import base
+from transfer.copy import base, cuda_sums
 from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.engine import TransferEngine
 from transfer.pool import HostPool
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+def gpu(test: object) -> object:
+    """A test that needs a CUDA GPU (the rest of the file runs anywhere)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs a CUDA GPU")(test))
+
 
 POISON = 0x5A
 BACKENDS = ["auto", "dma", "sm"]
@@ -63,6 +67,31 @@ def rig(request: pytest.FixtureRequest) -> Rig:
     rig.close()
 
 
+@pytest.mark.parametrize("n,per,least", [(1024, 32, 2), (512, 16, 1), (40, 8, 1), (10, 32, 2),
+                                         (33, 32, 2), (64, 32, 2), (1, 32, 2), (5, 1, 1),
+                                         (7, 4, 8)])
+def test_a_checked_loads_chunks_cover_its_rows_once_and_taper_at_the_end(
+        n: int, per: int, least: int) -> None:
+    chunks = cuda_sums._chunks(n, per, least)
+    starts = [start for start, _ in chunks]
+    sizes = [rows for _, rows in chunks]
+    assert starts == [sum(sizes[:k]) for k in range(len(sizes))] and sum(sizes) == n
+    assert all(0 < rows <= per for rows in sizes)
+    body = [rows for start, rows in chunks if start + per < n]  # before the last `per` rows
+    assert body == [per] * len(body)
+    tail = sizes[len(body):]
+    assert tail == sorted(tail, reverse=True)  # halving down
+    assert tail[-1] <= max(least, 1) or len(tail) == 1
+    assert len(tail) <= 2 + max(0, per.bit_length() - max(least, 1).bit_length())
+
+
+def test_the_tapers_figures() -> None:
+    assert [rows for _, rows in cuda_sums._chunks(1024, 32, 2)] == [32] * 31 + [16, 8, 4, 2, 2]
+    assert [rows for _, rows in cuda_sums._chunks(40, 8, 1)] == [8] * 4 + [4, 2, 1, 1]
+    assert [rows for _, rows in cuda_sums._chunks(40, 3, 3)] == [3] * 13 + [1]
+
+
+@gpu
 def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
     ids, slots = list(range(40, 0, -2)), list(range(20))
     assert rig.engine.submit_store(1, ids, slots, sums=True)
@@ -75,11 +104,17 @@ def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
     assert len(set(result.sums)) == 20
 
 
-@pytest.mark.parametrize("bad", [None, 0, 4, 17, 39])
+@gpu
+@pytest.mark.parametrize("bad", [None, 0, 4, 17, 34, 37, 39])
+@pytest.mark.parametrize("stage_blocks,tail_blocks", [(3, 3), (8, 1)])
+@gpu
 def test_a_checked_load_lands_only_its_leading_good_blocks(
-        rig: Rig, bad: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 3-block stages: 40 blocks go through the 3 buffers 14 times over.
-    monkeypatch.setattr(base, "STAGE_BYTES", 3 * LAYOUT.block_bytes)
+        rig: Rig, bad: int | None, stage_blocks: int, tail_blocks: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3-block stages: 40 blocks in 14 chunks through the 2 buffers. 8-block stages with a
+    # tail of single blocks: chunks 8, 8, 8, 8, 4, 2, 1, 1 (the last ones halve).
+    monkeypatch.setattr(base, "STAGE_BYTES", stage_blocks * LAYOUT.block_bytes)
+    monkeypatch.setattr(cuda_sums, "_TAIL_BYTES", tail_blocks * LAYOUT.block_bytes)
     slots, src = list(range(40)), list(range(40))
     assert rig.engine.submit_store(1, src, slots, sums=True)
     rig.engine.wait()
@@ -102,6 +137,7 @@ def test_a_checked_load_lands_only_its_leading_good_blocks(
     assert bool((cache[untouched] == POISON).all())
 
 
+@gpu
 def test_checked_loads_and_summed_stores_in_flight_together(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base, "STAGE_BYTES", 2 * LAYOUT.block_bytes)
@@ -121,6 +157,7 @@ def test_checked_loads_and_summed_stores_in_flight_together(
     assert torch.equal(rig.pool.slots[32:], want)
 
 
+@gpu
 def test_a_checked_load_follows_compute_and_a_store_of_its_blocks_follows_it(rig: Rig) -> None:
     import cupy
 
@@ -158,6 +195,7 @@ def test_a_checked_load_follows_compute_and_a_store_of_its_blocks_follows_it(rig
     assert torch.equal(rig.pool.slots[20:28], want)  # the store copied what the load landed
 
 
+@gpu
 def test_rows_of_whole_words_but_not_16_bytes_sum_and_check_word_by_word() -> None:
     """Rows of 1028 bytes (not whole 16-byte words): the kernels' word-by-word path."""
     from transfer.copy.base import Segment
@@ -187,11 +225,13 @@ def test_rows_of_whole_words_but_not_16_bytes_sum_and_check_word_by_word() -> No
         engine.close()
 
 
+@gpu
 def test_a_checked_load_whose_issue_fails_part_way_lands_nothing_wrong(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The DMA of its second stage fails to issue: the job fails, what the kernels queued before
-    the failure still reads the job's own ids (held by its completion), and no block outside the
-    job's changes; the lane then loads correctly."""
+    """The DMA of its third stage fails to issue (both buffers' DMAs and the first stage's
+    kernels are queued by then): the job fails, what the kernels queued before the failure
+    still reads the job's own ids (held by its completion), and no block outside the job's
+    changes; the lane then loads correctly."""
     monkeypatch.setattr(base, "STAGE_BYTES", 2 * LAYOUT.block_bytes)
     assert rig.engine.submit_store(1, list(range(8)), list(range(8)), sums=True)
     rig.engine.wait()
@@ -203,8 +243,8 @@ def test_a_checked_load_whose_issue_fails_part_way_lands_nothing_wrong(
 
     def failing(copy: object, stream: object) -> None:
         calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected: the second stage's DMA")
+        if len(calls) == 3:
+            raise RuntimeError("injected: the third stage's DMA")
         real(copy, stream)
 
     monkeypatch.setattr(lane, "_issue", failing)
