@@ -22,13 +22,16 @@ With a disk tier (`attach_disk`, worker_disk.py): the step's spills start first,
 threads; a store or a load's read whose pool slots a spill still reads out waits for it here,
 never on a lane. Below a shared pool the disk I/O moves this worker's part of each slot, on the
 mapping of the spill's segment.
+
+With a remote store (`attach_remote`, worker_remote.py): a load's blocks fetched from the store
+(or read from disk) land in its reserved slots before its copy, which then loads the head that
+arrived; a store's blocks are put to the store once copied (write-through). Every load waits
+there first, in `start_loads`, so a load that cannot run fails at the next `poll`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 import torch
@@ -37,14 +40,14 @@ from kvconnector.layout.descriptor import KVForm, KVLayout
 from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
 from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
-from kvconnector.offload.remote_tier import RemoteFetcher, leading_ok, settled
+from kvconnector.offload.remote_tier import RemoteFetcher
 from kvconnector.offload.worker_disk import WorkerDisk
+from kvconnector.offload.worker_remote import WorkerRemote
 from transfer.copy.base import CopyBackend
 from transfer.disk.io import DiskIO
 from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.engine import TransferResult as CopyResult
 from transfer.pool import HostPool
-from transfer.remote.backend import TransferResult as StoreResult
 from transfer.shared.mapping import SharedPart
 
 BLOCK_MAJOR = "block-major"
@@ -105,21 +108,15 @@ class OffloadWorker:
         self._max_store_bytes = max_store_bytes
         self.pool: HostPool | None = None
         self.engine: TransferEngine | None = None
-        self._make_fetcher: Callable[[torch.Tensor], RemoteFetcher] | None = None
         self._stash = TransferEvents()  # events of a mapping let go, for the next poll
         self._loads: dict[int, tuple[str, tuple[int, ...]]] = {}  # job -> request, GPU blocks
         self._stores: dict[int, str] = {}  # job -> request
         self._held: set[str] = set()
         self._report = JobReport()
-        self.remote: RemoteFetcher | None = None  # set by attach_remote
-        self._fetching: dict[int, tuple[TransferJob, Future[StoreResult] | None]] = {}
+        self.remote = WorkerRemote()  # loads' reads and gets; a store by attach_remote
         self.disk: WorkerDisk | None = None  # set by attach_disk
         self._waiting: list[tuple[bool, TransferJob]] = []  # (is store, job) behind spills
-        self._putting: dict[int, tuple[Future[StoreResult], tuple[int, ...]]] = {}
-        self._put_keys: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}
-        self._doomed: list[TransferJob] = []
         self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
-        self.remote_failures = 0  # jobs whose get or put failed (or could not run)
         self.checks = None if shared is None else PoolChecks(shared.rank, gpu_rows[0].device)
         self._rows: torch.Tensor | None = None  # this worker's part of every slot
         self._copied: list[CopyResult] = []  # loads copied, their checks still running
@@ -130,10 +127,7 @@ class OffloadWorker:
     def attach_remote(self, make_fetcher: Callable[[torch.Tensor], RemoteFetcher]) -> None:
         """Use a remote store as the second tier; `make_fetcher(rows)` makes its client over
         this worker's (num_slots, block_bytes) slot rows (again for each shared mapping)."""
-        self._make_fetcher = make_fetcher
-        if self.pool is not None:
-            offset = 0 if self.shared is None else self.shared.offset
-            self.remote = make_fetcher(self.pool.rows(offset, self.block_bytes))
+        self.remote.attach(make_fetcher, self._rows)
 
     def attach_disk(self, io: DiskIO) -> None:
         """Use a disk tier below the pool: `io` moves blocks between this worker's part of the
@@ -179,8 +173,7 @@ class OffloadWorker:
             self.checks.bind(engine)
         if self.disk is not None:
             self.disk.rebind(self._rows, self._disk_room())
-        if self._make_fetcher is not None:
-            self.remote = self._make_fetcher(pool.rows(offset, self.block_bytes))
+        self.remote.bind(self._rows)
 
     def _mapped(self, job: TransferJob | DiskWrite) -> bool:
         """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
@@ -201,9 +194,7 @@ class OffloadWorker:
                 self.drain()
                 self._stash.update(self.poll())
             self.engine.close()
-            if self.remote is not None:
-                self.remote.close()
-                self.remote = None
+            self.remote.close()
             self.pool.close()
         self._bind(pool)
         return True
@@ -233,7 +224,7 @@ class OffloadWorker:
                 self.disk.fail_spill(write, self._report)
         for job in step.loads:
             if not self._mapped(job):  # its shared segment is gone: a failed load
-                self._doomed.append(job)
+                self.remote.fail_load(job)
             elif self._behind_spills(job.fetch_slots):
                 self._waiting.append((False, job))
             else:
@@ -243,17 +234,7 @@ class OffloadWorker:
         return self.disk is not None and self.disk.behind(slots)
 
     def _start_load(self, job: TransferJob) -> None:
-        if job.fail or (job.keys and self.remote is None) or (job.disk_keys and not self.disk):
-            self._doomed.append(job)
-        elif job.keys or job.disk_keys:  # read / fetch into the reserved slots first (see poll)
-            fetch_slots = job.fetch_slots
-            future = None
-            if job.keys:
-                future = self.remote.get(job.keys, fetch_slots[len(job.disk_keys):])
-            if job.disk_keys:
-                self.disk.read(job, fetch_slots[:len(job.disk_keys)])
-            self._fetching[job.job_id] = (job, future)
-        else:
+        if not self.remote.start_load(job, self.disk):  # else read / fetched first (see poll)
             self._submit_load(job, len(job.slots))
 
     def _submit_load(self, job: TransferJob, head: int) -> None:
@@ -289,8 +270,7 @@ class OffloadWorker:
                                  sums=self.checks is not None and self.checks.sums_store(job))
         if self.checks is not None:  # hashed once copied
             self.checks.store_submitted(job)
-        if job.keys and self.remote is not None:
-            self._put_keys[job.job_id] = (job.keys, job.slots)
+        self.remote.store_submitted(job)
 
     def _poll_disk(self) -> None:
         """Finished spills -> reported (with their failed keys); then what waited behind them."""
@@ -331,7 +311,8 @@ class OffloadWorker:
             elif tail:
                 events.failed_loads.add(req_id)
                 events.failed_block_ids.update(tail)  # vLLM recomputes from the first of them
-        self._poll_remote(events)
+        self._poll_fetches(events)
+        self.remote.collect(report)  # puts done
         self._poll_hashes()
         storing = set(self._stores.values())
         events.finished_sending = {r for r in self._held if r not in storing}
@@ -370,13 +351,7 @@ class OffloadWorker:
         if self.checks is None or not self.checks.store_copied(result, self._rows):
             (report.done if result.ok else report.failed)[job_id] = 1
             del self._stores[job_id]
-        if result.ok and job_id in self._put_keys and self.remote.writes:
-            # Write-through; reported in `put` once done: the scheduler keeps the slots
-            # pinned until then, so no new store overwrites what zmq still reads.
-            keys, slots = self._put_keys.pop(job_id)
-            self._putting[job_id] = (self.remote.put(keys, slots), slots)
-        elif self._put_keys.pop(job_id, None) is not None:
-            report.put[job_id] = 1  # no copy or another rank puts: counted, no put
+        self.remote.store_copied(job_id, result.ok, report)  # write-through
         report.store_bytes += result.nbytes
         report.store_seconds += result.seconds
 
@@ -389,59 +364,21 @@ class OffloadWorker:
                 self._report.sums[job_id] = {self.shared.rank: sums}
                 self._report.done[job_id] = 1
 
-    def _poll_remote(self, events: TransferEvents) -> None:
-        """Fetches done -> their loads start (or fail); puts done -> their stores report."""
-        for job in self._doomed:
-            self._fail_load(job, events)
-        self._doomed.clear()
-        for job_id, (job, future) in list(self._fetching.items()):
-            if (future is not None and not future.done()) or \
-                    (self.disk is not None and self.disk.reading(job_id)):
-                continue
-            del self._fetching[job_id]
-            # Load the head that is here (CPU-tier blocks, then the leading good reads and
-            # fetches); the rest are load errors, from which vLLM recomputes (0.32 may also look
-            # the head up again: it is in a tier, and loading it here costs one more copy).
-            good = len(job.disk_keys)
-            read = None if self.disk is None else self.disk.take_read(job_id)
-            if read is not None:
-                good = next((i for i, ok in enumerate(read.ok) if not ok), good)
-                bad = [k for k, ok in zip(job.disk_keys, read.ok, strict=True) if not ok]
-                if bad:
-                    self._report.disk_bad[job_id] = bad
-            if future is not None:
-                fetched = leading_ok(future)
-                if fetched < len(job.keys):
-                    self.remote_failures += 1
-                if good == len(job.disk_keys):
-                    good += fetched
-            head = len(job.slots) - len(job.keys) - len(job.disk_keys) + good
+    def _poll_fetches(self, events: TransferEvents) -> None:
+        """Loads whose reads and gets are done copy the head that arrived; the rest of their
+        blocks are load errors (vLLM recomputes them); a load with none of them here fails."""
+        for job, head, sums in self.remote.fetched(self.disk, self._report):
             if head == 0:
-                self._fail_load(job, events, count=False)
+                self._report.failed[job.job_id] = 1
+                events.finished_loads.add(job.req_id)
+                events.failed_loads.add(job.req_id)
+                events.failed_block_ids.update(job.block_ids)
                 continue
             if head < len(job.block_ids):
-                self._partial[job_id] = job.block_ids[head:]
+                self._partial[job.job_id] = job.block_ids[head:]
             elif self.checks is not None:  # all here: they stay in the pool, with checksums
-                self.checks.fetched(job, self._rows, read.sums if read is not None else ())
+                self.checks.fetched(job, self._rows, sums)
             self._submit_load(job, head)
-        for job_id, (future, slots) in list(self._putting.items()):
-            ok = settled(future)
-            if ok is None:
-                continue
-            if not ok:
-                pinned = self.remote.pinned_slots()
-                if any(slot in pinned for slot in slots):
-                    continue  # a timed-out put zmq still reads: keep the slots reserved
-                self.remote_failures += 1
-            del self._putting[job_id]
-            self._report.put[job_id] = 1  # done or failed: a failed put is a later remote miss
-
-    def _fail_load(self, job: TransferJob, events: TransferEvents, count: bool = True) -> None:
-        self.remote_failures += count
-        self._report.failed[job.job_id] = 1
-        events.finished_loads.add(job.req_id)
-        events.failed_loads.add(job.req_id)
-        events.failed_block_ids.update(job.block_ids)
 
     def take_report(self) -> JobReport:
         """Jobs finished here since the last call (for the scheduler, summed over workers)."""
@@ -459,10 +396,7 @@ class OffloadWorker:
             self.disk.wait()
             self._poll_disk()  # what waited behind spills starts
             self.disk.wait()
-        for future in [f for _, f in self._fetching.values() if f is not None] + \
-                [f for f, _ in self._putting.values()]:
-            with contextlib.suppress(CancelledError):
-                future.exception()  # waits; store calls are bounded by their deadline
+        self.remote.wait()
         if self.engine is not None:
             if self.checks is not None:
                 self.checks.loads.submit_all(self.engine)
@@ -473,9 +407,14 @@ class OffloadWorker:
 
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
-        return (len(self._loads) + len(self._stores) + len(self._fetching) + len(self._putting)
-                + len(self._doomed) + (len(self.disk.spilling) if self.disk else 0)
+        return (len(self._loads) + len(self._stores) + self.remote.in_flight
+                + (len(self.disk.spilling) if self.disk else 0)
                 + sum(not is_store for is_store, _ in self._waiting))
+
+    @property
+    def remote_failures(self) -> int:
+        """Jobs whose get or put failed, or that could not run."""
+        return self.remote.failures
 
     def close(self) -> None:
         """Finish the copies and store calls in flight, then release the lanes, the store
@@ -483,8 +422,7 @@ class OffloadWorker:
         self.drain()
         if self.engine is not None:
             self.engine.close()
-        if self.remote is not None:
-            self.remote.close()
+        self.remote.close()
         if self.disk is not None:
             self.disk.close()
         if self.checks is not None:
