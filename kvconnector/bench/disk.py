@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvconnector.bench.sizing import BenchError, format_bytes
-from kvconnector.layout.descriptor import KVForm, KVLayout
+from kvconnector.layout.descriptor import KVLayout
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import FOOTER_BYTES, DiskError, SlabFile, slot_bytes
 from transfer.pool import HostPool
@@ -74,9 +74,7 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
     if free < 2 * n * slot + (64 << 20):
         raise BenchError(f"{tmp} has {format_bytes(free)} free; {name} needs "
                          f"{format_bytes(2 * n * slot)} (slab + fio file): lower --disk-bytes")
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=block_bytes, block_size=1,
-                      dtype=torch.uint8, form=KVForm.MLA, order="BLNHC")
-    pool = HostPool.create(layout, num_slots=n)
+    pool = HostPool.create(KVLayout.opaque(block_bytes), num_slots=n)
     digest = os.urandom(16)
     try:
         slab = SlabFile(tmp, digest, block_bytes, n)

@@ -27,7 +27,7 @@ from kvconnector.bench.sizing import (
     format_bytes,
 )
 from kvconnector.layout.allocator import KVBuffer, allocate
-from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVForm, KVLayout
+from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVLayout
 from transfer.copy.base import Segment
 from transfer.pool import HostPool
 
@@ -61,7 +61,7 @@ def allocate_arenas(side_bytes: int, device: torch.device) -> Arenas:
     rows = side_bytes // _ARENA_ROW
     if rows < 2:
         raise BenchError(f"budget per side {format_bytes(side_bytes)} is below 2 MiB")
-    arena = KVLayout(1, 1, _ARENA_ROW, 1, torch.uint8, KVForm.MLA, "BLNHC")
+    arena = KVLayout.opaque(_ARENA_ROW)
     t0 = time.perf_counter()
     keep: list[KVBuffer] = []
     try:

@@ -2,11 +2,13 @@
 
 `StepJobs` (built by OffloadScheduler.build_step) travels in the connector metadata to every
 worker; `JobReport` (OffloadWorker.take_report) travels back in the connector output, summed over
-ranks by vLLM's aggregation. Both are small and picklable.
+ranks by vLLM's aggregation. Both are small and picklable. `TransferEvents` (OffloadWorker.poll)
+is what a worker's jobs mean to vLLM's get_finished.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -136,3 +138,30 @@ def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
     for job_id, count in b.items():
         out[job_id] = out.get(job_id, 0) + count
     return out
+
+
+@dataclass
+class TransferEvents:
+    """What finished since the last poll, in vLLM's terms.
+
+    A failed load is in `finished_loads` AND `failed_loads`, and its GPU blocks are in
+    `failed_block_ids`, so the engine both releases the request and recomputes the blocks.
+    `finished_sending`: held requests whose stores are all done here.
+    """
+
+    finished_loads: set[str] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
+    failed_block_ids: set[int] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+
+    def update(self, other: TransferEvents) -> None:
+        self.finished_loads |= other.finished_loads
+        self.failed_loads |= other.failed_loads
+        self.failed_block_ids |= other.failed_block_ids
+        self.finished_sending |= other.finished_sending
+
+    def load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+        """The load of `req_id` ended, and vLLM recomputes `block_ids` (from the first)."""
+        self.finished_loads.add(req_id)
+        self.failed_loads.add(req_id)
+        self.failed_block_ids.update(block_ids)

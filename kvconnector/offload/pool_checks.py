@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from kvconnector.offload.checked_loads import CheckedLoads, rank_sums
-from kvconnector.offload.jobs import TransferJob
+from kvconnector.offload.jobs import JobReport, TransferJob
 from transfer.engine import TransferEngine, TransferResult
 from transfer.shared.checks import SlotChecker
 
@@ -68,16 +68,21 @@ class PoolChecks:
         self._row_sums[result.job_id] = result.sums
         return True
 
-    def hashed(self) -> list[tuple[int, list[int] | None]]:
-        """Stores hashed since the last call: (job, checksums; None when hashing failed). The
-        checksums are the blocks' xxh3s, then their row sums where the copy took them."""
+    def report_hashed(self, report: JobReport) -> list[int]:
+        """Stores hashed since the last call, into `report`: done with their checksums (the
+        blocks' xxh3s, then their row sums where the copy took them), or failed when hashing
+        failed (never committed). Returns their job ids."""
         out = []
         for job_id, future in list(self._hashing.items()):
             if future.done():
                 del self._hashing[job_id]
                 row_sums = self._row_sums.pop(job_id)
-                out.append((job_id, None if future.exception() else
-                            future.result() + list(row_sums)))
+                if future.exception() is None:
+                    report.sums[job_id] = {self.rank: future.result() + list(row_sums)}
+                    report.done[job_id] = 1
+                else:
+                    report.failed[job_id] = 1
+                out.append(job_id)
         return out
 
     # ---- loads ----------------------------------------------------------------------------
@@ -120,18 +125,21 @@ class PoolChecks:
         fetched = self._fetched.get(job_id)
         return fetched is None or fetched.done()
 
-    def load_result(self, result: TransferResult,
-                    blocks: int) -> tuple[int | None, list[int] | None]:
-        """(leading good blocks of the load's `blocks` when a check failed, else None; the
-        fetched blocks' checksums when the copy and their hashing succeeded, else None)."""
-        job_id, copied = result.job_id, result.ok
+    def failed_tail(self, result: TransferResult, block_ids: tuple[int, ...],
+                    report: JobReport) -> tuple[int, ...]:
+        """The load's `block_ids` from the first whose check failed (only those before it were
+        copied), counted in `report`; its fetched blocks' checksums go there too when the copy
+        and their hashing succeeded."""
+        job_id = result.job_id
         good, fetched = self.loads.take_good(job_id), self._fetched.pop(job_id, None)
-        if good is None and result.good is not None and result.good < blocks:
+        if good is None and result.good is not None and result.good < len(block_ids):
             good = result.good  # checked on the way by the engine
-        sums = None
-        if fetched is not None and copied and fetched.exception() is None:
-            sums = fetched.result()
-        return (good if copied else None), sums
+        if fetched is not None and result.ok and fetched.exception() is None:
+            report.sums[job_id] = {self.rank: fetched.result()}
+        if good is None or not result.ok:
+            return ()
+        report.checksum_failures += 1
+        return block_ids[good:]
 
     # ---- lifetime -------------------------------------------------------------------------
 

@@ -32,13 +32,12 @@ there first, in `start_loads`, so a load that cannot run fails at the next `poll
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from kvconnector.layout.descriptor import KVForm, KVLayout
+from kvconnector.layout.descriptor import KVLayout
 from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
-from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferJob
+from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferEvents, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
 from kvconnector.offload.remote_tier import RemoteFetcher
 from kvconnector.offload.worker_disk import WorkerDisk
@@ -52,27 +51,6 @@ from transfer.shared.mapping import SharedPart
 
 BLOCK_MAJOR = "block-major"
 PER_LAYER = "per-layer"
-
-
-@dataclass
-class TransferEvents:
-    """What finished since the last poll, in vLLM's terms.
-
-    A failed load is in `finished_loads` AND `failed_loads`, and its GPU blocks are in
-    `failed_block_ids`, so the engine both releases the request and recomputes the blocks.
-    `finished_sending`: held requests whose stores are all done here.
-    """
-
-    finished_loads: set[str] = field(default_factory=set)
-    failed_loads: set[str] = field(default_factory=set)
-    failed_block_ids: set[int] = field(default_factory=set)
-    finished_sending: set[str] = field(default_factory=set)
-
-    def update(self, other: TransferEvents) -> None:
-        self.finished_loads |= other.finished_loads
-        self.failed_loads |= other.failed_loads
-        self.failed_block_ids |= other.failed_block_ids
-        self.finished_sending |= other.finished_sending
 
 
 class OffloadWorker:
@@ -121,7 +99,7 @@ class OffloadWorker:
         self._rows: torch.Tensor | None = None  # this worker's part of every slot
         self._copied: list[CopyResult] = []  # loads copied, their checks still running
         if shared is None:
-            self._bind(HostPool.create(_byte_layout(self.block_bytes), num_slots=num_slots,
+            self._bind(HostPool.create(KVLayout.opaque(self.block_bytes), num_slots=num_slots,
                                        pinned=pinned))
 
     def attach_remote(self, make_fetcher: Callable[[torch.Tensor], RemoteFetcher]) -> None:
@@ -299,39 +277,24 @@ class OffloadWorker:
                 continue
             # A partly fetched load copied its good head; its tail failed in the store.
             tail = self._partial.pop(result.job_id, ())
-            result, tail = self._checked_load(result, tail)
-            (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
             req_id, block_ids = self._loads.pop(result.job_id)
+            if self.checks is not None:  # a check failed: from that block on (vLLM recomputes)
+                tail = self.checks.failed_tail(result, block_ids, report) + tail
+            (report.done if result.ok and not tail else report.failed)[result.job_id] = 1
             report.load_bytes += result.nbytes
             report.load_seconds += result.seconds
-            events.finished_loads.add(req_id)
-            if not result.ok:
-                events.failed_loads.add(req_id)
-                events.failed_block_ids.update(block_ids)
-            elif tail:
-                events.failed_loads.add(req_id)
-                events.failed_block_ids.update(tail)  # vLLM recomputes from the first of them
+            if not result.ok or tail:  # vLLM recomputes from the first of them
+                events.load_failed(req_id, block_ids if not result.ok else tail)
+            else:
+                events.finished_loads.add(req_id)
         self._poll_fetches(events)
         self.remote.collect(report)  # puts done
-        self._poll_hashes()
+        for job_id in [] if self.checks is None else self.checks.report_hashed(report):
+            del self._stores[job_id]
         storing = set(self._stores.values())
         events.finished_sending = {r for r in self._held if r not in storing}
         self._held -= events.finished_sending
         return events
-
-    def _checked_load(self, result: CopyResult,
-                      tail: tuple[int, ...]) -> tuple[CopyResult, tuple[int, ...]]:
-        """A load whose check found a bad block fails from that block on (vLLM recomputes
-        those; only the blocks before it were copied)."""
-        if self.checks is None:
-            return result, tail
-        good, sums = self.checks.load_result(result, len(self._loads[result.job_id][1]))
-        if sums is not None:
-            self._report.sums[result.job_id] = {self.shared.rank: sums}
-        if good is None:
-            return result, tail
-        self._report.checksum_failures += 1
-        return result, tuple(self._loads[result.job_id][1][good:]) + tail
 
     def _collect_copies(self) -> None:
         """Copies that ended: stores go on (hashed, or reported), loads wait in `_copied` for
@@ -355,24 +318,13 @@ class OffloadWorker:
         report.store_bytes += result.nbytes
         report.store_seconds += result.seconds
 
-    def _poll_hashes(self) -> None:
-        for job_id, sums in [] if self.checks is None else self.checks.hashed():
-            del self._stores[job_id]
-            if sums is None:  # unhashed: never committed
-                self._report.failed[job_id] = 1
-            else:
-                self._report.sums[job_id] = {self.shared.rank: sums}
-                self._report.done[job_id] = 1
-
     def _poll_fetches(self, events: TransferEvents) -> None:
         """Loads whose reads and gets are done copy the head that arrived; the rest of their
         blocks are load errors (vLLM recomputes them); a load with none of them here fails."""
         for job, head, sums in self.remote.fetched(self.disk, self._report):
             if head == 0:
                 self._report.failed[job.job_id] = 1
-                events.finished_loads.add(job.req_id)
-                events.failed_loads.add(job.req_id)
-                events.failed_block_ids.update(job.block_ids)
+                events.load_failed(job.req_id, job.block_ids)
                 continue
             if head < len(job.block_ids):
                 self._partial[job.job_id] = job.block_ids[head:]
@@ -437,9 +389,3 @@ def _rows(pages: torch.Tensor) -> list[torch.Tensor]:
         return [pages]
     return [run for outer in pages.unbind(1) for run in _rows(outer)]
 
-
-def _byte_layout(block_bytes: int) -> KVLayout:
-    """A block-outermost layout whose block is exactly `block_bytes` opaque bytes: the pool only
-    needs the size of a slot, the meaning of the bytes is the GPU cache's."""
-    return KVLayout(num_layers=1, num_kv_heads=1, head_size=block_bytes, block_size=1,
-                    dtype=torch.uint8, form=KVForm.MLA, order="BLNHC")

@@ -14,9 +14,9 @@ import torch
 
 from kvconnector.layout.allocator import allocate
 from kvconnector.layout.descriptor import KVLayout
-from kvconnector.offload.jobs import StepJobs
+from kvconnector.offload.jobs import StepJobs, TransferEvents
 from kvconnector.offload.scheduler import OffloadScheduler
-from kvconnector.offload.worker import BLOCK_MAJOR, PER_LAYER, OffloadWorker, TransferEvents
+from kvconnector.offload.worker import BLOCK_MAJOR, PER_LAYER, OffloadWorker
 from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
 

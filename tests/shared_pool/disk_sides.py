@@ -22,8 +22,9 @@ import torch
 from kvconnector.layout import KVLayout
 from kvconnector.layout.allocator import allocate
 from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
+from kvconnector.offload.jobs import TransferEvents
 from kvconnector.offload.scheduler import OffloadScheduler
-from kvconnector.offload.worker import OffloadWorker, TransferEvents
+from kvconnector.offload.worker import OffloadWorker
 from transfer.copy.base import ThreadBackend
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import SlabFile

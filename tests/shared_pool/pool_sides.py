@@ -20,8 +20,9 @@ import torch
 from kvconnector.layout import KVLayout
 from kvconnector.layout.allocator import allocate
 from kvconnector.offload import pool_checks
+from kvconnector.offload.jobs import TransferEvents
 from kvconnector.offload.scheduler import OffloadScheduler
-from kvconnector.offload.worker import OffloadWorker, TransferEvents
+from kvconnector.offload.worker import OffloadWorker
 from transfer.copy.base import ThreadBackend
 from transfer.keys import Namespace
 from transfer.pool import HostPool
