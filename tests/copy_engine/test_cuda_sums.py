@@ -107,7 +107,6 @@ def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
 @gpu
 @pytest.mark.parametrize("bad", [None, 0, 4, 17, 34, 37, 39])
 @pytest.mark.parametrize("stage_blocks,tail_blocks", [(3, 3), (8, 1)])
-@gpu
 def test_a_checked_load_lands_only_its_leading_good_blocks(
         rig: Rig, bad: int | None, stage_blocks: int, tail_blocks: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
