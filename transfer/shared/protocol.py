@@ -7,6 +7,12 @@ stream itself (an Unpacker yields whole messages).
 
 Access: the socket's directory is 0700 and the socket 0600, and the daemon refuses a peer whose
 uid (SO_PEERCRED) is not its own.
+
+Limits: the daemon reads a request (`read_request`) only once its whole frame is there and at
+most MAX_REQUEST_BYTES long; a frame is msgpack arrays, byte strings, strings, ints, bools and
+nil, at most MAX_DEPTH arrays deep (no maps, no extension types), a verb of this module and
+the arguments it takes. Every error text quotes a bad value by `brief`: its type, size and a
+short prefix, never the whole of it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import msgpack
 
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
@@ -32,7 +41,19 @@ CLEAR = "clear"  # notice (): drop every key of this client's namespaces
 REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS)
 NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR)
 
-MAX_MESSAGE_BYTES = 64 << 20  # a step's keys are far smaller; a bigger message is an attack
+ARGUMENTS = {HELLO: 2, LOOKUP: 1, PREPARE_STORES: 1, PREPARE_LOAD: 1, CHECKSUMS: 1, STATS: 0,
+             COMPLETE_STORE: 3, COMPLETE_LOAD: 1, DISCARD: 1, CLEAR: 0}  # each verb's count
+
+MAX_MESSAGE_BYTES = 64 << 20  # the largest answer a client reads
+# The largest request the daemon reads: a prompt's keys (~50 B each: 160,000 keys, 2.6M tokens
+# at 16 a block) or a step's commit fit many times over. Unpacked, a request's objects take up
+# to ~36x its bytes (a tuple of uncached ints), one request at a time.
+MAX_REQUEST_BYTES = 8 << 20
+MAX_KEY_BYTES = 256  # a key: a 16-byte namespace digest + a block hash (vLLM's: 32 B)
+MAX_DEPTH = 3  # arrays in arrays: [verb, [[key, ...], ...]], [verb, keys, flags, [[sum, ...]]]
+MAX_ARRAY_ITEMS = 1 << 19  # keys of one request: over 3x what MAX_REQUEST_BYTES holds
+MAX_VERB_CHARS = 64
+QUOTE_CHARS = 64  # what an error text quotes of a bad value
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -66,6 +87,74 @@ def split_sums(sums: list[int], ranks: int) -> tuple[tuple[int, ...], tuple[int,
     return tuple(sums[:ranks]), tuple(sums[ranks:2 * ranks]) if len(sums) == 2 * ranks else ()
 
 
+def brief(value: object) -> str:
+    """A bad value for an error text or a log line: at most QUOTE_CHARS of it, with its type and
+    size, never its whole repr (a client's value may be megabytes, or nested 1,000 deep)."""
+    if value is None or isinstance(value, bool | float) or (
+            isinstance(value, int) and -(1 << 64) < value < 1 << 64):
+        return repr(value)
+    if isinstance(value, str):
+        if len(value) <= QUOTE_CHARS:
+            return repr(value)
+        return f"{value[:QUOTE_CHARS]!r}... (a str of {len(value)} chars)"
+    if isinstance(value, bytes | bytearray):
+        shown = bytes(value[:QUOTE_CHARS // 2]).hex()
+        more = "..." if len(value) > QUOTE_CHARS // 2 else ""
+        return f"{len(value)} bytes {shown}{more}"
+    if isinstance(value, list | tuple | dict | set | frozenset):
+        return f"an array of {len(value)} items" if isinstance(value, list | tuple) else \
+            f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
+
+
+def clip(text: str, limit: int = 4 * QUOTE_CHARS) -> str:
+    """`text` (an exception's, for a reply or a log line) cut to `limit` chars."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def read_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES
+                 ) -> tuple[str, tuple[Any, ...]]:
+    """One whole request frame -> (verb, its arguments); ValueError naming what is wrong (see
+    module doc). Arrays come as tuples."""
+    if len(frame) > max_bytes:
+        raise ValueError(f"a request of {len(frame)} B is over the limit of {max_bytes} B")
+    try:
+        message = msgpack.unpackb(
+            frame, use_list=False, raw=False, object_hook=_no_map,
+            ext_hook=_no_extension, max_str_len=MAX_VERB_CHARS, max_bin_len=MAX_KEY_BYTES,
+            max_array_len=MAX_ARRAY_ITEMS, max_map_len=0, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # StackError: > 1024 deep
+        raise ValueError(f"not a request: {clip(str(exc) or type(exc).__name__)}") from None
+    if isinstance(message, tuple):
+        _check_depth(message)
+    if not isinstance(message, tuple) or not message or not isinstance(message[0], str):
+        raise ValueError(f"a request is an array [verb, *arguments], got {brief(message)}")
+    verb, args = message[0], message[1:]
+    if verb not in ARGUMENTS:
+        raise ValueError(f"unknown verb {brief(verb)}")
+    if len(args) != ARGUMENTS[verb]:
+        raise ValueError(f"{verb} takes {ARGUMENTS[verb]} arguments, got {len(args)}")
+    return verb, args
+
+
+def _check_depth(message: tuple[Any, ...]) -> None:
+    """ValueError when arrays nest deeper than MAX_DEPTH (checked without recursion)."""
+    level, depth = [message], 1
+    while level:
+        inner = [item for array in level for item in array if isinstance(item, tuple)]
+        if inner and depth == MAX_DEPTH:
+            raise ValueError(f"arrays nested deeper than {MAX_DEPTH}: no request has those")
+        level, depth = inner, depth + 1
+
+
+def _no_map(_: object) -> None:
+    raise ValueError("a map: no request has one")
+
+
+def _no_extension(code: int, _: bytes) -> None:
+    raise ValueError(f"an extension type ({code}): no request has one")
+
+
 def check_name(name: str) -> str:
     """A pool name: letters, digits, '_', '.', '-' (it names a socket and a segment)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
@@ -94,8 +183,14 @@ def segment_prefix(name: str) -> str:
 
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a unix socket (SO_PEERCRED)."""
+    return peer_credentials(sock)[1]
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return _PEERCRED.unpack(raw)[1]
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
 
 
 def check_peer(uid: int, owner: int) -> None:
