@@ -1,9 +1,14 @@
-"""PeerGuard over real loopback TCP connections: what it counts as held, whom it drops, and that a
-descriptor reused by another connection is never shut down (the store itself under floods:
-test_remote_flood.py)."""
+"""PeerGuard over real loopback TCP connections: what it counts as held (replies unsent and puts
+being checked too), whom it drops (the largest holder over the budget, a peer that stalls
+holding something, connections past the limit), that a descriptor reused by another connection
+is never shut down, and that it keeps counting when descriptors run out (the store itself under
+floods: test_remote_flood.py, test_store_abuse.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -132,13 +137,13 @@ def test_a_descriptor_reused_by_another_connection_is_never_shut_down(
 
 def _stalled_reads(monkeypatch: pytest.MonkeyPatch, stall: Callable[[], None]) -> None:
     """Each connection's count is read after `stall()`, as a check interrupted there would."""
-    read = admission._bytes_received
+    read = admission._tcp_counts
 
-    def stalled(fd: int, address: tuple[str, int] | None) -> int | None:
+    def stalled(fd: int, address: tuple[str, int] | None) -> tuple[int, int, int] | None:
         stall()
         return read(fd, address)
 
-    monkeypatch.setattr(admission, "_bytes_received", stalled)
+    monkeypatch.setattr(admission, "_tcp_counts", stalled)
 
 
 def test_a_check_that_waits_for_a_core_does_not_postpone_the_next(
@@ -182,3 +187,113 @@ def test_a_budget_below_the_largest_request_is_refused() -> None:
         StoreServer("tcp://127.0.0.1:*", 1 << 20, Security.none(), buffer_budget_bytes=1 << 20)
     with pytest.raises(ValueError, match="budget_bytes must be a positive int, got 0"):
         PeerGuard(budget_bytes=0)
+
+
+def _poll(guard: PeerGuard, done: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Run checks until `done()` or `timeout_s` passes (a liveness bound)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        guard.check()
+        if done():
+            return True
+        time.sleep(0.02)
+    return done()
+
+
+def test_connections_past_max_peers_are_shut_down_at_once(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=1 << 20, max_peers=2)
+    links = [Link(listener) for _ in range(3)]
+    for link in links:
+        guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    assert (guard.peers, guard.refused_peers, guard.dropped_peers) == (2, 1, 0)
+    assert links[2].hung_up()
+    links[0].send(1)  # the first two stay connected
+    links[1].send(1)
+    guard.connection_event(zmq.EVENT_DISCONNECTED, links[0].fd)
+    fourth = Link(listener)  # room again
+    guard.connection_event(zmq.EVENT_ACCEPTED, fourth.fd)
+    assert (guard.peers, guard.refused_peers) == (2, 1)
+    for link in (*links, fourth):
+        link.close()
+
+
+def test_descriptors_running_out_do_not_lose_count_of_a_connection(
+        listener: socket.socket) -> None:
+    # The guard read each connection's counts through a duplicate of its descriptor: with none
+    # left it took the connection for gone, and never counted it again.
+    guard = PeerGuard(budget_bytes=1 << 20)
+    link = Link(listener)
+    guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        with contextlib.suppress(OSError):
+            for _ in range(64):
+                spare.append(os.open(os.devnull, os.O_RDONLY))
+        link.send(100 * KiB)
+        guard.check()  # no descriptor is left to duplicate
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert (guard.peers, guard.held_bytes) == (1, 100 * KiB)
+    link.close()
+
+
+def test_replies_unsent_and_puts_being_checked_count_as_held(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=800 * KiB)
+    link = Link(listener)
+    guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    assert guard.delivered(link.fd, b"reader")
+    guard.replying(b"reader", 300 * KiB)
+    guard.checking(b"reader", 200 * KiB)
+    assert guard.check() == 0 and guard.held_bytes == guard.pending_bytes == 500 * KiB
+    guard.checked(b"reader", 200 * KiB)
+    guard.replying(b"reader", 600 * KiB)  # 900 KiB: over the budget
+    assert guard.check() == 1 and link.hung_up()
+    guard.replied(b"reader", 900 * KiB)  # zmq let go of them with the connection
+    assert guard.pending_bytes == 0
+    link.close()
+
+
+def _fill_send_buffer(sock: socket.socket) -> int:
+    """Send from `sock` until the kernel takes no more (its peer reads nothing)."""
+    sock.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            sent += sock.send(bytes(64 * KiB))
+    return sent
+
+
+def test_a_peer_that_stalls_holding_something_is_dropped(listener: socket.socket) -> None:
+    guard = PeerGuard(budget_bytes=64 << 20, stall_timeout_s=0.3)
+    unread, begun, idle, reader = (Link(listener) for _ in range(4))
+    for link in (unread, begun, idle, reader):
+        guard.connection_event(zmq.EVENT_ACCEPTED, link.fd)
+    assert _fill_send_buffer(unread.server) > 0  # answers it never reads
+    begun.send(64 * KiB)  # a message begun, never finished
+    idle.send(1 * KiB)  # a handshake's worth: nothing held
+    reader.client.setblocking(False)
+
+    def read_all() -> bool:  # the reader reads what it is sent, and so makes progress
+        with contextlib.suppress(BlockingIOError):
+            while reader.client.recv(1 << 20):
+                pass
+        with contextlib.suppress(BlockingIOError):
+            reader.server.send(bytes(16 * KiB))
+        return guard.stalled_peers == 2
+
+    assert _poll(guard, read_all)
+    unread.client.settimeout(5.0)
+    with contextlib.suppress(ConnectionResetError):
+        while unread.client.recv(1 << 20):  # what was sent, then the end
+            pass
+    assert begun.hung_up()
+    assert guard.peers == 2 and guard.dropped_peers == 2
+    for link in (idle, reader):
+        link.send(1)  # still connected
+        link.close()
+    unread.close()
+    begun.close()

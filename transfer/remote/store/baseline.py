@@ -35,6 +35,7 @@ from transfer.remote.store.security import Security, SecurityMode
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
 START_TIMEOUT_S = 30.0
 _SNDMORE = int(zmq.SNDMORE)
+MAX_GET_BLOCKS = 4096  # as the store's limit of keys per request
 
 
 class RawStreams:
@@ -163,12 +164,24 @@ class RawServer:
                     held_bytes -= len(held.popleft())
                 router.send_multipart([identity, b"ok"])
             else:  # b"get:<count>"
-                count = int(op.bytes[4:])
+                count = _get_count(op.bytes)
+                if count is None or not held:  # anything else on its port: refused, not fatal
+                    router.send_multipart([identity, b"error"])
+                    continue
                 router.send_multipart([identity, b"ok"], _SNDMORE)
                 for i in range(count):  # like the store: zero-copy frames, tracked
                     router.send(held[(turn + i) % len(held)].buffer,
                                 _SNDMORE if i < count - 1 else 0, copy=False, track=True)
                 turn = (turn + count) % len(held)
+
+
+def _get_count(op: bytes) -> int | None:
+    """n of a `get:<n>` request (1..MAX_GET_BLOCKS), or None for anything else."""
+    digits = op[4:]
+    if not (op.startswith(b"get:") and digits.isdigit() and len(digits) <= 6):
+        return None
+    count = int(digits)
+    return count if 0 < count <= MAX_GET_BLOCKS else None
 
 
 class RawServerProcess:

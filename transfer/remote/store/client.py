@@ -53,6 +53,7 @@ from transfer.remote.store.protocol import (
     ProtocolError,
     Reply,
     encode_request,
+    quoted,
     reply_bools,
     reply_count,
     reply_statuses,
@@ -101,8 +102,10 @@ class StoreClient(RemoteBackend):
                             ("get_batch_bytes", get_batch_bytes), ("max_in_flight", max_in_flight)):
             check_positive(name, value)
         block_bytes = self.block_bytes
-        self._put_batch = blocks_per_batch(put_batch_bytes, block_bytes)
-        self._get_batch = blocks_per_batch(get_batch_bytes, block_bytes)
+        # the store refuses a put or get of more blocks than its message limit (64 MiB)
+        message_bytes = Limits().max_message_bytes
+        self._put_batch = blocks_per_batch(min(put_batch_bytes, message_bytes), block_bytes)
+        self._get_batch = blocks_per_batch(min(get_batch_bytes, message_bytes), block_bytes)
         self._sending: dict[int, list[zmq.MessageTracker]] = {}
         self._sending_lock = threading.Lock()  # pinned_slots may be asked from another thread
         largest_frame = max(Limits().max_header_bytes, block_bytes) + FRAME_SLACK_BYTES
@@ -355,7 +358,7 @@ class StoreClient(RemoteBackend):
 def _field(reply: Reply, name: str, kind: type) -> Any:
     value = reply.fields.get(name)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ProtocolError(f"reply {name} must be a {kind.__name__}, got {value!r:.200}")
+        raise ProtocolError(f"reply {name} must be a {kind.__name__}, got {quoted(value)}")
     return value
 
 

@@ -14,6 +14,7 @@ key (another namespace included) fails the check.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -44,6 +45,7 @@ class Op(str, Enum):
 
 
 KEY_OPS = frozenset({Op.PUT, Op.GET, Op.LOOKUP, Op.EXISTS, Op.DELETE})
+_OPS = {op.value: op for op in Op}
 
 
 WIRE_STATUSES = frozenset(s.value for s in BlockStatus if s is not BlockStatus.FAILED)
@@ -125,6 +127,37 @@ class ProtocolError(Exception):
     """A reply that does not follow the protocol."""
 
 
+# what an error reply or a log line quotes of a peer's value: a header may nest arrays ~1000 deep
+# (repr raised RecursionError) or carry a 1 MiB field (quoted in full, 4 MiB of reply)
+QUOTE_CHARS = 40
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr, bytes cut before they are written out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 2
+        self.maxstring = self.maxother = QUOTE_CHARS
+        self.maxlist = self.maxtuple = self.maxdict = 4
+
+    def repr_bytes(self, value: bytes, level: int) -> str:
+        if len(value) <= QUOTE_CHARS:
+            return repr(value)
+        return f"{value[:QUOTE_CHARS]!r}... ({len(value)} B)"
+
+    def repr_ExtType(self, value: msgpack.ExtType, level: int) -> str:  # reprlib's naming
+        return f"ExtType({value.code}, {self.repr_bytes(value.data, level)})"
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def quoted(value: Any) -> str:
+    """A short repr of a peer's value (at most a few hundred characters, any nesting)."""
+    return _SHORT_REPR.repr(value)
+
+
 def _pack(header: dict[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
@@ -168,18 +201,18 @@ def decode_request(raw: bytes | memoryview, limits: Limits) -> Request:
     version = header.get("v")
     if not _is_uint64(version):
         raise RequestError(ErrorCode.MALFORMED, f"protocol version must be an unsigned int, "
-                           f"got {version!r}", request_id)
+                           f"got {quoted(version)}", request_id)
     if version != PROTOCOL_VERSION:
         raise RequestError(ErrorCode.VERSION, f"protocol version {version} is not supported; "
                            f"this store speaks version {PROTOCOL_VERSION}", request_id)
     if request_id is None:
         raise RequestError(ErrorCode.MALFORMED, f"request id must be an unsigned 64-bit int, "
-                           f"got {header.get('id')!r}")
-    try:
-        op = Op(header.get("op"))
-    except ValueError:
-        raise RequestError(ErrorCode.MALFORMED, f"unknown op {header.get('op')!r}; expected one "
-                           f"of {[o.value for o in Op]}", request_id) from None
+                           f"got {quoted(header.get('id'))}")
+    name = header.get("op")
+    op = _OPS.get(name) if isinstance(name, str) else None  # (Op(x) writes out repr(x))
+    if op is None:
+        raise RequestError(ErrorCode.MALFORMED, f"unknown op {quoted(name)}; expected one "
+                           f"of {list(_OPS)}", request_id)
     if op not in KEY_OPS:
         return Request(request_id, op)
     namespace, keys = _check_keys(header, limits, request_id)
@@ -202,7 +235,7 @@ def _check_keys(header: dict[Any, Any], limits: Limits,
     namespace = header.get("ns")
     if not isinstance(namespace, bytes) or len(namespace) != DIGEST_BYTES:
         raise RequestError(ErrorCode.MALFORMED, f"namespace must be {DIGEST_BYTES} bytes, got "
-                           f"{namespace!r}", request_id)
+                           f"{quoted(namespace)}", request_id)
     keys = header.get("keys")
     if not isinstance(keys, list):
         raise RequestError(ErrorCode.MALFORMED, f"keys must be a list, got {type(keys).__name__}",
@@ -213,7 +246,7 @@ def _check_keys(header: dict[Any, Any], limits: Limits,
     for index, key in enumerate(keys):
         if not isinstance(key, bytes) or not DIGEST_BYTES < len(key) <= MAX_KEY_BYTES:
             raise RequestError(ErrorCode.MALFORMED, f"key {index} must be {DIGEST_BYTES + 1}.."
-                               f"{MAX_KEY_BYTES} bytes, got {key!r:.80}", request_id)
+                               f"{MAX_KEY_BYTES} bytes, got {quoted(key)}", request_id)
         if key[:DIGEST_BYTES] != namespace:
             raise RequestError(ErrorCode.NAMESPACE, f"key {index} ({key.hex()}) is not in the "
                                f"request's namespace {namespace.hex()}", request_id)
@@ -226,7 +259,7 @@ def _check_uints(header: dict[Any, Any], name: str, count: int,
     if (not isinstance(values, list) or len(values) != count
             or not all(_is_uint64(v) for v in values)):
         raise RequestError(ErrorCode.MALFORMED, f"{name} must be a list of {count} unsigned "
-                           f"64-bit ints, got {values!r:.80}", request_id)
+                           f"64-bit ints, got {quoted(values)}", request_id)
     return tuple(values)
 
 
@@ -247,16 +280,16 @@ def decode_reply(raw: bytes | memoryview) -> Reply:
     if header is None:
         raise ProtocolError("reply header is not a msgpack map")
     if header.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"reply speaks protocol version {header.get('v')!r}, "
+        raise ProtocolError(f"reply speaks protocol version {quoted(header.get('v'))}, "
                             f"not {PROTOCOL_VERSION}")
     request_id, ok = header.pop("id", None), header.pop("ok", None)
     if not (request_id is None or _is_uint64(request_id)) or not isinstance(ok, bool):
-        raise ProtocolError(f"reply id {request_id!r} / ok {ok!r} malformed")
+        raise ProtocolError(f"reply id {quoted(request_id)} / ok {quoted(ok)} malformed")
     if ok:
         return Reply(request_id, True, fields=header)
     code, error = header.get("code"), header.get("error")
     if not isinstance(code, str) or not isinstance(error, str):
-        raise ProtocolError(f"error reply without code/error strings: {header!r:.200}")
+        raise ProtocolError(f"error reply without code/error strings: {quoted(header)}")
     return Reply(request_id, False, code, error)
 
 
@@ -266,7 +299,7 @@ def reply_statuses(reply: Reply, count: int) -> list[BlockStatus]:
     if (not isinstance(statuses, list) or len(statuses) != count
             or not all(isinstance(s, str) and s in WIRE_STATUSES for s in statuses)):
         raise ProtocolError(f"reply status must be {count} of {sorted(WIRE_STATUSES)}, "
-                            f"got {statuses!r:.200}")
+                            f"got {quoted(statuses)}")
     return [BlockStatus(s) for s in statuses]
 
 
@@ -274,7 +307,7 @@ def reply_uints(reply: Reply, name: str, count: int) -> list[int]:
     """A list of `count` unsigned ints from a reply (get sizes and checksums)."""
     values = reply.fields.get(name)
     if not isinstance(values, list) or len(values) != count or not all(map(_is_uint64, values)):
-        raise ProtocolError(f"reply {name} must be {count} unsigned ints, got {values!r:.200}")
+        raise ProtocolError(f"reply {name} must be {count} unsigned ints, got {quoted(values)}")
     return values
 
 
@@ -282,12 +315,12 @@ def reply_bools(reply: Reply, name: str, count: int) -> list[bool]:
     values = reply.fields.get(name)
     if (not isinstance(values, list) or len(values) != count
             or not all(isinstance(v, bool) for v in values)):
-        raise ProtocolError(f"reply {name} must be {count} bools, got {values!r:.200}")
+        raise ProtocolError(f"reply {name} must be {count} bools, got {quoted(values)}")
     return values
 
 
 def reply_count(reply: Reply, name: str, upper: int) -> int:
     value = reply.fields.get(name)
     if not _is_uint64(value) or value > upper:
-        raise ProtocolError(f"reply {name} must be an int in 0..{upper}, got {value!r}")
+        raise ProtocolError(f"reply {name} must be an int in 0..{upper}, got {quoted(value)}")
     return value

@@ -10,8 +10,11 @@ loop goes on receiving); puts are stored and answered in arrival order once chec
 Run it in a thread (`start()`, for tests and benchmarks) or in the foreground (`serve_forever()`,
 the `kvconnector store serve` command).
 
-What zmq may hold for the connections is bounded and a peer that keeps sending invalid requests
-is dropped (transfer.remote.store.admission; docs/protocol.md, "Limits").
+What zmq may hold for the connections, in requests and in replies, is bounded, and so are the
+connections and the time one may stall holding something; a peer that keeps sending invalid
+requests is dropped (transfer.remote.store.admission; docs/protocol.md, "Limits"). Nothing a peer
+sends is quoted at more than a short prefix (protocol.quoted), and internal errors are logged at
+1, 2, 4, ... occurrences, so no peer can flood the log.
 
 A server may be one worker of several (transfer.remote.store.shards, .workers): it then holds
 only the keys that hash to it and refuses the others; the first worker's `ping` names them all.
@@ -25,6 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,9 +38,15 @@ from transfer.remote.backend import BlockStatus, block_checksum
 from transfer.remote.store.admission import (
     CHECK_INTERVAL_S,
     CONNECTION_EVENTS,
+    COPIED_FRAME_BYTES,
+    FRAME_MEMORY_BYTES,
     RECEIVE_HWM,
+    SEND_HWM,
+    STALL_TIMEOUT_S,
+    TRACKED_REPLY_BYTES,
     PeerGuard,
     buffer_budget,
+    peer_limit,
 )
 from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.memory import BlockStore, StoredBlock
@@ -70,6 +80,7 @@ COUNTERS = (*(f"requests_{op.value}" for op in Op), "put_blocks", "put_bytes", "
             "put_corrupt", "put_size", "put_full", "get_blocks", "get_bytes", "get_missing",
             "request_errors", "internal_errors", "dropped_replies", "auth_refused",
             "discarded_requests")
+_NO_BLOCKS: tuple[StoredBlock, ...] = ()
 # one of these per refused handshake (each also comes with a HANDSHAKE_FAILED_NO_DETAIL)
 _AUTH_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _SRCFD = int(zmq.SRCFD)
@@ -78,13 +89,26 @@ _SRCFD = int(zmq.SRCFD)
 DEFAULT_IO_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
+@dataclass(eq=False)
+class _SentReply:
+    """A tracked reply zmq is sending: its blocks stay pinned until the tracker (of its last
+    frame: zmq frees a message's frames in order) says zmq is done with it."""
+
+    identity: bytes
+    tracker: zmq.MessageTracker
+    blocks: Sequence[StoredBlock]
+    nbytes: int  # its memory, as counted by the peer guard
+
+
 class StoreServer:
     """A block store listening on `listen` (tcp://HOST:PORT; PORT may be * for a free port)."""
 
     def __init__(self, listen: str, capacity_bytes: int, security: Security, *,
                  limits: Limits | None = None, verify_threads: int | None = None,
                  buffer_budget_bytes: int | None = None,
-                 io_threads: int | None = None, shard: tuple[int, int] = (0, 1)) -> None:
+                 io_threads: int | None = None, shard: tuple[int, int] = (0, 1),
+                 max_peers: int | None = None,
+                 stall_timeout_s: float = STALL_TIMEOUT_S) -> None:
         tcp_host(listen)  # ValueError for anything but tcp://HOST:PORT
         if not isinstance(security, Security):
             raise ValueError(f"security must be a Security, got {security!r}")
@@ -108,11 +132,14 @@ class StoreServer:
         self.shard_ports: list[int] | None = None
         self.listen = listen
         self.limits = limits or Limits()
-        self._guard = PeerGuard(buffer_budget(self.limits, buffer_budget_bytes))
+        self._guard = PeerGuard(buffer_budget(self.limits, buffer_budget_bytes),
+                                max_peers=peer_limit(max_peers),
+                                stall_timeout_s=stall_timeout_s)
         self._store = BlockStore(capacity_bytes)
         self._security = security
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
-        self._in_flight: list[tuple[zmq.MessageTracker, StoredBlock]] = []
+        self._in_flight: list[_SentReply] = []
+        self._copy_threshold = zmq.COPY_THRESHOLD  # the socket's, once bound
         self._puts = PutChecker(verify_threads)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -133,6 +160,8 @@ class StoreServer:
             sock.linger = 0
             sock.maxmsgsize = self.limits.max_frame_bytes
             sock.rcvhwm = RECEIVE_HWM
+            sock.sndhwm = SEND_HWM
+            self._copy_threshold = sock.copy_threshold
             self._monitor = sock.get_monitor_socket(_AUTH_FAILURES | CONNECTION_EVENTS)
             sock.bind(self.listen)
         except Exception:
@@ -180,6 +209,8 @@ class StoreServer:
             "max_batch_blocks": self.limits.max_batch_blocks, **self._counters,
             "peers": self._guard.peers, "dropped_peers": self._guard.dropped_peers,
             "held_bytes": self._guard.held_bytes, "buffer_budget_bytes": self._guard.budget_bytes,
+            "pending_bytes": self._guard.pending_bytes, "stalled_peers": self._guard.stalled_peers,
+            "refused_peers": self._guard.refused_peers, "max_peers": self._guard.max_peers,
             "worker": self.shard[0], "workers": self.shard[1],
         }
 
@@ -236,23 +267,31 @@ class StoreServer:
             kind, value = event["event"], int(event["value"])
             if not self._guard.connection_event(kind, value):
                 self._counters["auth_refused"] += 1
-                log.warning("refused a peer's handshake on %s: %s (%s)",
-                            event["endpoint"].decode(), zmq.Event(kind).name, value)
+                refused = self._counters["auth_refused"]
+                if refused & (refused - 1) == 0:  # 1, 2, 4, ...: a flood cannot flood the log
+                    log.warning("refused a peer's handshake on %s: %s (%s; %d so far)",
+                                event["endpoint"].decode(), zmq.Event(kind).name, value,
+                                refused)
 
     def _release_sent(self) -> None:
         if not self._in_flight:
             return
         waiting = []
-        for tracker, block in self._in_flight:
-            if tracker.done:
-                self._store.unpin(block)
+        for sent in self._in_flight:
+            if sent.tracker.done:
+                for block in sent.blocks:
+                    self._store.unpin(block)
+                self._guard.replied(sent.identity, sent.nbytes)
             else:
-                waiting.append((tracker, block))
+                waiting.append(sent)
         self._in_flight = waiting
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         identity, header, blocks = frames[0].bytes, frames[1], frames[2:]
-        fd = header.get(_SRCFD)
+        try:
+            fd = header.get(_SRCFD)
+        except zmq.ZMQError:  # EINVAL: no descriptor on record (a ZMTP 1.0 peer's message)
+            fd = -1
         if not self._guard.delivered(fd, identity):  # from a peer dropped meanwhile
             self._counters["discarded_requests"] += 1
             return
@@ -276,9 +315,15 @@ class StoreServer:
             self._reply(identity, encode_error(exc.request_id, exc.code, str(exc)))
             self._guard.strike(fd, identity, f"{exc.code.value}: {exc}")
         except Exception:  # a bug must cost one request, not the store
-            self._counters["internal_errors"] += 1
-            log.exception("internal error serving a request")
+            self._internal_error("serving a request")
             self._reply(identity, encode_error(request_id, ErrorCode.INTERNAL, "internal error"))
+
+    def _internal_error(self, doing: str) -> None:
+        """Count an internal error; log it (with its traceback) at 1, 2, 4, ... of them."""
+        self._counters["internal_errors"] += 1
+        errors = self._counters["internal_errors"]
+        if errors & (errors - 1) == 0:
+            log.exception("internal error %s (%d so far)", doing, errors)
 
     def _dispatch(self, identity: bytes, request: Request, blocks: list[zmq.Frame]) -> None:
         store, rid = self._store, request.request_id
@@ -316,19 +361,20 @@ class StoreServer:
         if len(blocks) != len(request.keys):
             raise RequestError(ErrorCode.FRAMES, f"put declares {len(request.keys)} blocks but "
                                f"carries {len(blocks)} frames", request.request_id)
+        self._guard.checking(identity, sum(request.sizes))  # until stored (`_finish_puts`)
         self._puts.submit(identity, request, blocks, self._store.__contains__)
 
     def _finish_puts(self) -> None:
         """Store and answer the checked puts at the head of the queue, in arrival order."""
         for pending in self._puts.ready():
+            self._guard.checked(pending.identity, sum(pending.request.sizes))
             rid = pending.request.request_id
             try:
                 if pending.failed:
                     raise RuntimeError("a verifier task failed")
                 reply = encode_reply(rid, status=self._store_put(pending))
             except Exception:  # a bug must cost one request, not the store
-                self._counters["internal_errors"] += 1
-                log.exception("internal error storing a put")
+                self._internal_error("storing a put")
                 reply = encode_error(rid, ErrorCode.INTERNAL, "internal error")
             self._reply(pending.identity, reply)
 
@@ -368,13 +414,21 @@ class StoreServer:
             sizes.append(block.size)
             sums.append(block.checksum)
             found.append(block)
+        if sum(sizes) > self.limits.max_message_bytes:  # as a put's; a key may repeat
+            raise RequestError(ErrorCode.LIMIT, f"the blocks found come to {sum(sizes)} B; the "
+                               f"limit is {self.limits.max_message_bytes} B per message",
+                               request.request_id)
         self._counters["get_blocks"] += len(found)
         self._counters["get_missing"] += len(request.keys) - len(found)
         self._counters["get_bytes"] += sum(sizes)
         header = encode_reply(request.request_id, status=statuses, sizes=sizes, sums=sums)
-        self._reply(identity, header, found)
+        self._reply(identity, header, found, tracked=True)
 
-    def _reply(self, identity: bytes, header: bytes, blocks: Sequence[StoredBlock] = ()) -> None:
+    def _reply(self, identity: bytes, header: bytes, blocks: Sequence[StoredBlock] = _NO_BLOCKS,
+               *, tracked: bool = False) -> None:
+        """Send a reply without waiting (dropped if its peer is gone or has SEND_HWM replies
+        unread). Replies with blocks, and large ones, are tracked: their memory counts as held
+        by the peer until zmq is done with them (transfer.remote.store.admission)."""
         try:
             self._sock.send(identity, _SNDMORE | _NOBLOCK)
         except zmq.ZMQError as exc:  # the client is gone (EHOSTUNREACH) or not reading (EAGAIN)
@@ -383,10 +437,20 @@ class StoreServer:
             if dropped & (dropped - 1) == 0:  # 1, 2, 4, ...: a flood cannot flood the log
                 log.warning("dropped a reply: %s (%d so far)", exc, dropped)
             return
-        self._sock.send(header, _SNDMORE if blocks else 0)
-        for index, block in enumerate(blocks):
-            more = _SNDMORE if index < len(blocks) - 1 else 0
-            tracker = self._sock.send(block.view, more, copy=False, track=True)
+        if not (tracked or blocks or len(header) >= TRACKED_REPLY_BYTES):
+            self._sock.send(header)
+            return
+        # frames under pyzmq's copy threshold are copied; the last is sent zero-copy, tracked
+        nbytes = len(header) + FRAME_MEMORY_BYTES + sum(
+            COPIED_FRAME_BYTES + block.size if block.size < self._copy_threshold
+            else FRAME_MEMORY_BYTES for block in blocks)
+        frames = [header, *(block.view for block in blocks)]
+        for frame in frames[:-1]:
+            self._sock.send(frame, _SNDMORE, copy=False)
+        last = zmq.Frame(frames[-1], copy=False, track=True)  # tracked, whatever its size
+        tracker = self._sock.send(last, 0, copy=False, track=True)
+        for block in blocks:
             self._store.pin(block)
-            self._in_flight.append((tracker, block))
+        self._guard.replying(identity, nbytes)
+        self._in_flight.append(_SentReply(identity, tracker, blocks, nbytes))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from transfer.remote.store.protocol import ProtocolError
+from transfer.remote.store.protocol import ProtocolError, quoted
 from transfer.remote.store.security import tcp_host
 
 # stats fields that are the same on every worker (the others are summed)
@@ -49,7 +49,7 @@ def worker_urls(url: str, ports: Any) -> list[str]:
             or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536
                        for p in ports)):
         raise ProtocolError(f"ping reply shards must be a list of 2 or more ports, "
-                            f"got {ports!r:.200}")
+                            f"got {quoted(ports)}")
     host = tcp_host(url)
     host = f"[{host}]" if ":" in host else host
     return [url, *(f"tcp://{host}:{port}" for port in ports[1:])]

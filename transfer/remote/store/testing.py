@@ -23,6 +23,10 @@ from transfer.testing import ChildServer
 
 _LISTENING = re.compile(r"listening on (tcp://\S+)")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
+_LIMITED_FDS = ("import resource, runpy, sys; "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+                "sys.argv[:2] = [sys.argv[1]]; "
+                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 START_TIMEOUT_S = 120.0  # the CLI imports torch: on a loaded 2-core machine that took 30 s
 
 
@@ -31,8 +35,9 @@ class StoreProcess(ChildServer):
 
     def __init__(self, log_path: str | Path, capacity: str = "256MiB",
                  security_args: tuple[str, ...] = ("--security", "none"),
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), fd_limit: int | None = None) -> None:
         self.log_path = Path(log_path)
+        self.fd_limit = fd_limit  # the child's RLIMIT_NOFILE, soft and hard (None: inherited)
         self.capacity = capacity
         self.security_args = tuple(security_args)
         self.extra_args = tuple(extra_args)
@@ -46,6 +51,9 @@ class StoreProcess(ChildServer):
         listen = self.url or "tcp://127.0.0.1:*"
         command = [sys.executable, "-m", "kvconnector.cli.store", "store", "serve", "--listen",
                    listen, "--capacity", self.capacity, *self.security_args, *self.extra_args]
+        if self.fd_limit:  # the same module, run after lowering the descriptor limit
+            command[1:3] = ["-c", _LIMITED_FDS.format(limit=self.fd_limit),
+                            "kvconnector.cli.store"]
         # the child imports this very `transfer` package, wherever the parent found it
         path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log_path.open("ab") as log:
@@ -105,9 +113,20 @@ class ZmtpPeer:
     frame header with no bytes behind it; and it sees the store hang up on it.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, receive_buffer: int | None = None) -> None:
+        """Connect and shake hands; `receive_buffer`: SO_RCVBUF, set before connecting (a peer
+        that reads nothing then holds little of what the store sends it)."""
         host, port = url[len("tcp://"):].rsplit(":", 1)
-        self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10.0)
+        address = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+        self._sock = socket.socket(address[0], socket.SOCK_STREAM)
+        try:
+            if receive_buffer is not None:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            self._sock.settimeout(10.0)
+            self._sock.connect(address[4])
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.sendall(_ZMTP_GREETING)
         body = (b"\x05READY" + bytes([len(b"Socket-Type")]) + b"Socket-Type"
                 + struct.pack(">I", len(b"DEALER")) + b"DEALER")
@@ -117,6 +136,10 @@ class ZmtpPeer:
         flags = self._receive(1)[0]
         size = struct.unpack(">Q", self._receive(8))[0] if flags & 2 else self._receive(1)[0]
         self._receive(size)
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a send may wait for room (TimeoutError past it)."""
+        self._sock.settimeout(seconds)
 
     def send_frame(self, data: bytes | memoryview, *, more: bool) -> None:
         """One frame of a message (`more`: another frame follows)."""

@@ -28,7 +28,12 @@ from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
-from transfer.remote.store.admission import buffer_budget
+from transfer.remote.store.admission import (
+    DEFAULT_MAX_PEERS,
+    STALL_TIMEOUT_S,
+    PeerGuard,
+    buffer_budget,
+)
 from transfer.remote.store.protocol import Limits
 from transfer.remote.store.puts import DEFAULT_VERIFY_THREADS
 from transfer.remote.store.security import Security, tcp_host
@@ -64,20 +69,25 @@ class WorkerSettings:
     io_threads: int
     verify_threads: int
     shard: tuple[int, int]
+    max_peers: int | None = None  # connections each worker keeps (None: DEFAULT_MAX_PEERS)
+    stall_timeout_s: float = STALL_TIMEOUT_S
 
     def server(self) -> StoreServer:
         return StoreServer(self.listen, self.capacity_bytes, self.security, limits=self.limits,
                            buffer_budget_bytes=self.buffer_budget_bytes,
                            io_threads=self.io_threads, verify_threads=self.verify_threads,
-                           shard=self.shard)
+                           shard=self.shard, max_peers=self.max_peers,
+                           stall_timeout_s=self.stall_timeout_s)
 
 
 def worker_settings(listen: str, capacity_bytes: int, security: Security, *, workers: int,
                     limits: Limits | None = None, buffer_budget_bytes: int | None = None,
                     io_threads: int = DEFAULT_IO_THREADS,
-                    verify_threads: int = DEFAULT_VERIFY_THREADS) -> list[WorkerSettings]:
+                    verify_threads: int = DEFAULT_VERIFY_THREADS, max_peers: int | None = None,
+                    stall_timeout_s: float = STALL_TIMEOUT_S) -> list[WorkerSettings]:
     """Each worker's settings: the capacity, IO and verifier threads split `workers` ways, the
-    buffer budget each its own; ValueError naming a bad value."""
+    buffer budget, connection limit and stall timeout each its own; ValueError naming a bad
+    value."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     if not isinstance(capacity_bytes, int) or capacity_bytes < workers:
@@ -85,9 +95,12 @@ def worker_settings(listen: str, capacity_bytes: int, security: Security, *, wor
                          f"{capacity_bytes!r}")
     limits = limits or Limits()
     budget = buffer_budget(limits, buffer_budget_bytes)
+    PeerGuard(budget, max_peers=DEFAULT_MAX_PEERS if max_peers is None else max_peers,
+              stall_timeout_s=stall_timeout_s)  # ValueError for a bad one, before any worker
     first = WorkerSettings(listen, capacity_bytes // workers, security, limits,
                            budget,
-                           max(1, io_threads // workers), verify_threads // workers, (0, workers))
+                           max(1, io_threads // workers), verify_threads // workers, (0, workers),
+                           max_peers, stall_timeout_s)
     # the others listen on free ports of the same host: a restarted store never waits for an
     # old worker to let go of a fixed one
     host = tcp_host(listen)
