@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -204,14 +206,51 @@ def _device_name(device: torch.device) -> str:
     return f"{cpu_model()} (CPU only)"
 
 
+def _shape_args(args: argparse.Namespace) -> list[str]:
+    """The cases' flags as the run took them: the explicit shape, else the presets (the default
+    spelled out)."""
+    if args.layers is not None:
+        return ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
+                "--head-size", str(args.head_size)] + (["--mla"] if args.mla else [])
+    return ["--preset", args.preset or DEFAULT_PRESET]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--json and --plot: files this run can write, checked before anything is measured (a
+    BenchError, one line, names the flag, the path and what is wrong)."""
+    outputs = [(flag, path) for flag, path in (("--json", args.json), ("--plot", args.plot))
+               if path is not None]
+    if len(outputs) == 2 and outputs[0][1].absolute() == outputs[1][1].absolute():
+        raise BenchError(f"--json and --plot both name {str(args.json)!r}: give two files")
+    for flag, path in outputs:
+        try:
+            is_dir = path.is_dir()
+        except OSError as exc:
+            raise BenchError(f"{flag} {str(path)!r}: {exc.strerror or exc}") from None
+        if is_dir:
+            example = path / ("bench.json" if flag == "--json" else "bench.png")
+            raise BenchError(f"{flag} {str(path)!r} is a directory: give a file path in it, "
+                             f"e.g. {str(example)!r}")
+        _check_writable_dir(flag, path, path.parent)
+
+
+def _check_writable_dir(flag: str, given: Path, directory: Path) -> None:
+    """BenchError unless a file can be created in `directory` (what `flag` `given` needs): tried
+    with a temporary file, as the record is written (a temporary file, then renamed)."""
+    try:
+        if not directory.is_dir():
+            raise BenchError(f"{flag} {str(given)!r}: no directory {str(directory)!r}")
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvconnector-bench-probe.")
+    except OSError as exc:
+        raise BenchError(f"{flag} {str(given)!r}: cannot create a file in {str(directory)!r}: "
+                         f"{exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _command(args: argparse.Namespace, budget: str, securities: list[str]) -> str:
     """The effective command line, every choice spelled out, for docs/benchmarks.md."""
-    parts = ["kvconnector", "bench"]
-    if args.layers is not None:
-        parts += ["--layers", str(args.layers), "--kv-heads", str(args.kv_heads),
-                  "--head-size", str(args.head_size)] + (["--mla"] if args.mla else [])
-    else:
-        parts += ["--preset", args.preset or DEFAULT_PRESET]
+    parts = ["kvconnector", "bench", *_shape_args(args)]
     parts += ["--kv-dtype", args.kv_dtype, "--remote-security", ",".join(securities)]
     if args.block_size:
         parts += ["--block-size", ",".join(map(str, args.block_size))]
@@ -232,6 +271,10 @@ def _run_disk(args: argparse.Namespace) -> int:
     from kvconnector.bench.disk import measure_disk, print_disk
     from transfer.disk.io import DEFAULT_THREADS
 
+    for flag, value in (("--plot", args.plot), ("--redis-url", args.redis_url)):
+        if value is not None:
+            raise BenchError(f"{flag} is not measured with --disk, which measures the disk tier "
+                             f"alone: run them apart")
     cases = _cases(args)
     try:
         total = parse_size(args.disk_bytes)
@@ -241,11 +284,20 @@ def _run_disk(args: argparse.Namespace) -> int:
     if threads <= 0 or args.repeats <= 0:
         raise BenchError(f"--disk-threads and --repeats must be positive, got {threads}, "
                          f"{args.repeats}")
+    _check_extras(args, cuda=False)
+    if not args.disk.is_dir():
+        raise BenchError(f"--disk {str(args.disk)!r} is not a directory")
+    _check_writable_dir("--disk", args.disk, args.disk)
+    _check_outputs(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     disk = measure_disk(cases, args.disk, total, threads, args.repeats)
-    parts = ["kvconnector", "bench", "--preset", args.preset, "--disk", str(args.disk),
-             "--disk-bytes", str(args.disk_bytes), "--disk-threads", str(threads),
-             "--repeats", str(args.repeats)]
+    parts = ["kvconnector", "bench", *_shape_args(args), "--kv-dtype", args.kv_dtype,
+             "--disk", str(args.disk), "--disk-bytes", str(args.disk_bytes),
+             "--disk-threads", str(threads), "--repeats", str(args.repeats)]
+    if args.block_size:
+        parts += ["--block-size", ",".join(map(str, args.block_size))]
+    if args.json is not None:
+        parts += ["--json", str(args.json)]
     record = {"meta": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                        "host": platform.node(), "device": _device_name(device),
                        "command": " ".join(parts), "disk": {k: v for k, v in disk.items()
@@ -256,9 +308,18 @@ def _run_disk(args: argparse.Namespace) -> int:
     if args.json is not None:
         from kvconnector.bench.report import write_json
 
-        write_json(record, args.json)
+        _write(write_json, record, "--json", args.json)
         out.print(f"wrote {args.json}")
     return 0
+
+
+def _write(writer: Any, record: dict[str, Any], flag: str, path: Path) -> None:
+    """`writer(record, path)`; a BenchError naming `flag` if the file system refuses it now
+    (checked before the run, but a disk can fill or a directory go meanwhile)."""
+    try:
+        writer(record, path)
+    except OSError as exc:
+        raise BenchError(f"{flag} {str(path)!r}: cannot write it: {exc.strerror or exc}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -270,9 +331,7 @@ def _run(args: argparse.Namespace) -> int:
     redis_auth = _redis_auth(args)
     device = torch.device("cuda" if cuda else "cpu")
     budget = _budget(args, device)
-    for path in (args.json, args.plot):
-        if path is not None and not path.parent.is_dir():
-            raise BenchError(f"no directory {str(path.parent)!r} for {path}")
+    _check_outputs(args)
 
     from rich.console import Console
 
@@ -375,9 +434,9 @@ def _run(args: argparse.Namespace) -> int:
 
     print_report(record, out)
     if args.json is not None:
-        write_json(record, args.json)
+        _write(write_json, record, "--json", args.json)
         out.print(f"wrote {args.json}")
     if args.plot is not None:
-        write_plot(record, args.plot)
+        _write(write_plot, record, "--plot", args.plot)
         out.print(f"wrote {args.plot}")
     return 0

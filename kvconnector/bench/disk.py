@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvconnector.bench.report import ABOVE_CEILING, SCALE, judged
 from kvconnector.bench.sizing import BenchError, format_bytes
 from kvconnector.layout.descriptor import KVLayout
 from transfer.disk.io import DiskIO
@@ -244,12 +245,33 @@ def print_disk(record: dict[str, Any], console: Any) -> None:
                       _ratio(row, "write_carried"), f"{row['tier_read_GBps']:.2f}",
                       f"{row['fio_read_GBps']:.2f}", _ratio(row, "read"))
     console.print(table)
+    for line in disk_verdicts(record["disk"]["rows"]):
+        console.print(line, highlight=False, markup=False)
     short = [row for row in record["disk"]["rows"] if row["fio_memory"] != "shmhuge"]
     if short:
         need = max(huge_pages_needed(row["request_bytes"], row["queue_depth"]) for row in short)
         console.print(f"[yellow]fio's buffers were 4 KiB pages, the pool's huge pages: the "
                       f"ceiling may understate the drive; reserve huge pages for fio (as root: "
                       f"sysctl vm.nr_hugepages={need}) and run again[/]")
+
+
+def disk_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's ratios against fio (the drive's rate for the same requests), in words."""
+    if not rows:
+        return []
+    lines = [f"verdicts against fio on the same file system, request size and queue depth (the "
+             f"drive's limit); {SCALE}:"]
+    above = False
+    for row in rows:
+        ratios = [(name, row[f"{rw}_ratio"]) for name, rw in (
+            ("write", "write"), ("carried write", "write_carried"), ("read", "read"))]
+        above = above or any(ratio > ABOVE_CEILING for _, ratio in ratios)
+        lines.append(f"  {row['case']}: " + ", ".join(judged(n, r) for n, r in ratios))
+    if above:
+        lines.append("  above 1: the tier moved its blocks faster than fio its requests in that "
+                     "pair (fio's buffers on 4 KiB pages, or load shifting between the two "
+                     "halves): fio is a reference for the drive, not a hard limit")
+    return lines
 
 
 def _ratio(row: dict[str, Any], rw: str) -> str:

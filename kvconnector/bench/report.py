@@ -5,6 +5,7 @@ rich and matplotlib are imported here only, lazily, so `kvconnector` works witho
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -15,6 +16,100 @@ from typing import Any
 from kvconnector.bench.sizing import format_bytes
 
 LAYOUT_LABELS = {"block_major": "block-major", "layer_major": "layer-major"}
+# Where a figure stands against its same-run ceiling (the ratio printed beside it): "at" it from
+# AT_CEILING, "near" it from NEAR_CEILING, "well below" under that, "above" past ABOVE_CEILING.
+AT_CEILING, NEAR_CEILING, ABOVE_CEILING = 0.9, 0.7, 1.05
+SCALE = f"at = {AT_CEILING} of it or more, near = {NEAR_CEILING} or more"
+
+
+def standing(ratio: float) -> str:
+    """A ratio of a ceiling in words: "above", "at", "near" or "well below" (see AT_CEILING)."""
+    if ratio > ABOVE_CEILING:
+        return "above"
+    if ratio >= AT_CEILING:
+        return "at"
+    return "near" if ratio >= NEAR_CEILING else "well below"
+
+
+def judged(name: str, ratio: float) -> str:
+    """'load 0.85 near': a figure's name, its ratio and where that stands."""
+    return f"{name} {ratio:.2f} {standing(ratio)}"
+
+
+def copy_verdicts(record: dict[str, Any]) -> list[str]:
+    """What the copy figures are good against: the ceiling they are held to on this device, each
+    case layout's standing, and why a ratio above 1 can occur here."""
+    cpu = record["meta"]["device_type"] != "cuda"
+    if cpu:
+        lines = ["verdicts against the same-run memory copies: no GPU here, so every copy is host "
+                 "to host, bounded by memory bandwidth, not PCIe (a check of the engine's path, "
+                 f"not a GPU's rates); {SCALE}:"]
+    else:
+        lines = ["verdicts against the same-run pinned copies, the PCIe limit (both: its "
+                 f"both-ways limit); {SCALE}:"]
+    above = False
+    for case in record["cases"]:
+        for name, r in case["layouts"].items():
+            ratios = [("load", r["h2d"]["ratio"]), ("store", r["d2h"]["ratio"]),
+                      ("both", r["bidir"]["ratio"]), ("prefix load", r["prefix_ratio"])]
+            above = above or any(ratio > ABOVE_CEILING for _, ratio in ratios)
+            lines.append(f"  {case['case']['name']} {LAYOUT_LABELS[name]}: "
+                         + ", ".join(judged(n, ratio) for n, ratio in ratios)
+                         + f"; host time {_calls(r['host_ratio'])}")
+    if above and cpu:
+        c = record["ceilings"]
+        contended = (" (here the both-ways one, two such copies at once, is below the one-way "
+                     "ones: they contend for the cores)"
+                     if c["bidir_gbps"] < max(c["h2d_gbps"], c["d2h_gbps"]) else "")
+        lines.append("  above 1 on a CPU: the ceilings are large Tensor.copy_ calls on the same "
+                     f"cores as everything else{contended}, so a job's block copies can beat "
+                     "them; on a CPU a ceiling is a reference, not a hard limit")
+    elif above:
+        lines.append("  above 1: the ceiling read low in every round (each figure is its best "
+                     "round); the copies then moved more than it, as the link allows")
+    return lines
+
+
+def _calls(ratio: float) -> str:
+    """Host time per block submitted, in plain copy calls (about one a block: as cheap as a
+    copy of its own; under one: batched)."""
+    if ratio < 0.5:
+        return f"{ratio:.2f} of a plain copy call a block (batched: less than a call each)"
+    if ratio <= 2:
+        return f"{ratio:.1f} plain copy calls a block (about one: as cheap as a copy each)"
+    return f"{ratio:.1f} plain copy calls a block"
+
+
+def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
+    """The shared pool's figures against the one-way and both-ways ceilings; on a CPU, which of
+    them mean nothing there."""
+    rows = [row for row in shared["rows"] if "error" not in row]
+    if not rows:
+        return []
+    if device_type != "cuda":
+        lines = ["verdicts: on a CPU the shared pool's writer store, load and both are not "
+                 "meaningful: the row sums a GPU's copy engine takes on the way are taken by "
+                 "torch on the host here (GB/s of summing, not of copying); load by xxh3 is "
+                 "hashing on this machine's cores, against the memory copy ceiling:"]
+        lines += [f"  {row['case']}: {judged('load by xxh3', row['xxh3_load_ratio'])}"
+                  for row in rows]
+        return lines
+    lines = [f"verdicts against the same-run pinned copies, the PCIe limit; {SCALE}:"]
+    lines += [f"  {row['case']}: {judged('load', row['load_ratio'])}, "
+              f"{judged('load by xxh3', row['xxh3_load_ratio'])}, "
+              f"{judged('both', row['bidir_ratio'])}" for row in rows]
+    return lines
+
+
+def tier_verdicts(rows: list[dict[str, Any]], against: str, head: list[str]) -> list[str]:
+    """put/get ratios against `against` (a same-run baseline), one line per row; `head`: the
+    row's naming fields."""
+    rows = [row for row in rows if "error" not in row and "ratio" in row["put"]]
+    if not rows:
+        return []
+    return [f"verdicts against {against}; {SCALE}:"] + [
+        f"  {' '.join(str(row[h]) for h in head)}: {judged('put', row['put']['ratio'])}, "
+        f"{judged('get', row['get']['ratio'])}" for row in rows]
 
 
 def cpu_model() -> str:
@@ -62,12 +157,18 @@ def print_report(record: dict[str, Any], console: Any) -> None:
                 str(r["prefix_tokens"]), f"{r['prefix_ms']:.1f} ({r['prefix_ratio']:.2f})",
                 end_section=i == len(case["layouts"]) - 1)
     console.print(table)
-    _print_shared(record.get("shared_pool"), console)
+    _print_lines(copy_verdicts(record), console)
+    _print_shared(record.get("shared_pool"), console, record["meta"]["device_type"])
     _print_remote(record.get("remote"), console)
     _print_redis(record.get("redis"), console)
 
 
-def _print_shared(shared: dict[str, Any] | None, console: Any) -> None:
+def _print_lines(lines: list[str], console: Any) -> None:
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
+
+
+def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str) -> None:
     """The shared pool rows: a writer process's blocks loaded into this process's cache."""
     from rich.table import Table
 
@@ -95,6 +196,7 @@ def _print_shared(shared: dict[str, Any] | None, console: Any) -> None:
                    f"{row['bidir_gbps']:.2f} ({row['bidir_ratio']:.2f})",
                    f"{row['load_meta_us']:.2f}", f"{row['store_meta_us']:.2f}")
     console.print(st)
+    _print_lines(shared_verdicts(shared, device_type), console)
 
 
 def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:
@@ -118,6 +220,9 @@ def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:
         rt.add_row(*head, _gb(row["put"]), _gb(row["get"]), f"{row['baseline_put_gbps']:.2f}",
                    f"{row['baseline_get_gbps']:.2f}")
     console.print(rt)
+    _print_lines(tier_verdicts(remote["rows"], "raw pyzmq streams of the same blocks, same "
+                               "security, same run (the sockets' limit)", ["case", "security"]),
+                 console)
     for row in remote["rows"]:
         if "error" in row:
             console.print(f"[red]remote {row['case']} {row['security']} failed:[/] {row['error']}",
@@ -155,6 +260,9 @@ def _print_redis(redis: dict[str, Any] | None, console: Any) -> None:
         rt.add_row(*head, _gb(row["put"]), _gb(row["get"]), f"{row['baseline_put_gbps']:.2f}",
                    f"{row['baseline_get_gbps']:.2f}")
     console.print(rt)
+    _print_lines(tier_verdicts([row for row in redis["rows"] if "baseline_put_gbps" in row],
+                               "redis-benchmark SET/GET of the same values on the same cluster "
+                               "(the cluster's limit)", ["case"]), console)
     for note in notes:
         console.print(note, highlight=False)
 
@@ -203,10 +311,12 @@ def write_plot(record: dict[str, Any], path: Path) -> None:
     meta = record["meta"]
     fig.suptitle(f"kvconnector bench on {meta['device']} ({meta['date']}): {meta['mover']}")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")  # *.png.tmp is git-ignored
-    fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    png = io.BytesIO()
+    try:
+        fig.savefig(png, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    _atomic_write(path, png.getvalue())  # nothing left behind if the write fails
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvconnector.layout.allocator import KVBuffer, allocate, shm_free_bytes
+from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
 from transfer.engine import TransferEngine
@@ -57,7 +58,9 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
     rows = []
     for case, blocks, _ in plan:
         step(f"{case.name}: shared pool")
-        block_bytes = case.layout.block_bytes
+        # An engine's slot is its block rounded up to whole 4 KiB pages (kvconnector/vllm/
+        # tiers.py), and a pool's --slot-bytes is whole pages.
+        block_bytes = -(-case.layout.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
         stride = slot_layout(block_bytes).block_stride_bytes
         fit = int(shm_free_bytes() * 0.8) // (3 * stride)
         n = min(blocks, SHARED_MAX_BYTES[device.type] // block_bytes, fit)

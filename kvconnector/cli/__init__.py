@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from kvconnector import __version__
+
 # subcommand -> module providing `add_parser(subparsers)`; the parser's `func(args) -> int` runs it.
 _SUBCOMMANDS = {
     "backends": "kvconnector.cli.backends",
@@ -16,6 +18,7 @@ _SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconnector", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvconnector {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _SUBCOMMANDS.values():
         importlib.import_module(module).add_parser(sub)

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from kvconnector.cli.units import parse_size
 
@@ -21,6 +21,17 @@ def run_alone(add_parser: Callable[[Any], None], prog: str, argv: list[str] | No
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser`, answering a usage error in one line (no usage block) and exit status 2."""
+
+    def error(message: str) -> NoReturn:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 def size_arg(text: str) -> int:

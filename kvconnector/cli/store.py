@@ -16,7 +16,14 @@ from typing import Any
 
 import zmq
 
-from kvconnector.cli.serving import log_to_stderr, run_alone, size_arg, stop_on_signals
+from kvconnector.cli.checks import listen_address, memory_size, process_count, store_address
+from kvconnector.cli.serving import (
+    log_to_stderr,
+    one_line_errors,
+    run_alone,
+    size_arg,
+    stop_on_signals,
+)
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Limits
 from transfer.remote.store.security import Security, SecurityMode
@@ -36,31 +43,34 @@ def add_parser(subparsers: Any) -> None:
     store = subparsers.add_parser("store", help="the remote block store",
                                   description="Run a remote block store or query one.")
     commands = store.add_subparsers(dest="store_command", required=True)
-    serve = commands.add_parser("serve", help="run a block store in the foreground")
-    serve.add_argument("--listen", default="tcp://127.0.0.1:*",
-                       help="tcp://HOST:PORT to bind; PORT * picks a free one (default: "
-                            "loopback, free port; the bound address is printed)")
-    serve.add_argument("--capacity", required=True, type=size_arg,
-                       help="bytes of blocks to hold, e.g. 8GiB")
+    serve = one_line_errors(commands.add_parser("serve",
+                                                help="run a block store in the foreground"))
+    serve.add_argument("--listen", default="tcp://127.0.0.1:*", type=listen_address,
+                       help="tcp://HOST:PORT to bind, PORT 1-65535 or * for a free one "
+                            "(default: loopback, free port; the bound address is printed)")
+    serve.add_argument("--capacity", required=True, type=memory_size("the store's blocks"),
+                       help="bytes of blocks to hold, e.g. 8GiB (at most this machine's memory)")
     serve.add_argument("--max-block-size", type=size_arg, default=Limits().max_block_bytes,
                        help="largest block accepted (default 64MiB)")
-    serve.add_argument("--buffer-budget", type=size_arg,
+    serve.add_argument("--buffer-budget", type=memory_size("the requests zmq buffers"),
                        help="what zmq may hold for all connections together before the peer "
                             "holding the most is dropped (default: 256MiB or four of the "
                             "largest requests, whichever is more; each worker its own)")
-    serve.add_argument("--io-threads", type=_positive_int, default=DEFAULT_IO_THREADS,
+    serve.add_argument("--io-threads", type=process_count, default=DEFAULT_IO_THREADS,
                        help="zmq IO threads in all, split over the workers: connections are "
                             "received and sent in parallel over them (default: half the "
-                            f"cores, at most 8; here {DEFAULT_IO_THREADS})")
-    serve.add_argument("--workers", type=_positive_int, default=DEFAULT_WORKERS,
+                            f"cores, at most 8; here {DEFAULT_IO_THREADS}; accepted: up to twice "
+                            "the cores, 8 on fewer than 4)")
+    serve.add_argument("--workers", type=process_count, default=DEFAULT_WORKERS,
                        help="processes serving the store, the keys split among them by hash, "
                             "each with its share of the capacity; the first listens on "
                             "--listen, the others on free ports of the same host (default: half "
-                            f"the cores, at most 8, one on 2 cores; here {DEFAULT_WORKERS})")
+                            f"the cores, at most 8, one on 2 cores; here {DEFAULT_WORKERS}; "
+                            "accepted: up to twice the cores, 8 on fewer than 4)")
     _add_security_options(serve, server=True)
     serve.set_defaults(func=_serve)
-    stats = commands.add_parser("stats", help="print a store's counters as JSON")
-    stats.add_argument("url", help="the store's tcp://HOST:PORT")
+    stats = one_line_errors(commands.add_parser("stats", help="print a store's counters as JSON"))
+    stats.add_argument("url", type=store_address, help="the store's tcp://HOST:PORT")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
     _add_security_options(stats, server=False)
     stats.set_defaults(func=_stats)
@@ -70,21 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     return run_alone(add_parser, "python -m kvconnector.cli.store", argv)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
-    return value
-
-
 def _add_security_options(parser: argparse.ArgumentParser, *, server: bool) -> None:
     group = parser.add_argument_group("security (both sides must use the same mode)")
-    group.add_argument("--security", required=True, choices=[m.value for m in SecurityMode],
-                       help="curve: encrypted, keys from files; secret: a shared secret checked "
-                            "through ZAP (trusted networks); none: loopback only")
+    group.add_argument("--security", choices=[m.value for m in SecurityMode],
+                       help="required: curve: encrypted, keys from files; secret: a shared "
+                            "secret checked through ZAP (trusted networks); none: loopback only")
     group.add_argument("--secret-file", type=Path, help="secret: file holding the shared secret")
     group.add_argument("--curve-key-pair", type=Path,
                        help="curve: this side's NAME.key_secret from zmq.auth.create_certificates")
@@ -96,6 +96,11 @@ def _add_security_options(parser: argparse.ArgumentParser, *, server: bool) -> N
 
 
 def _security(args: argparse.Namespace, *, server: bool) -> Security:
+    if args.security is None:
+        curve = "--curve-clients DIR" if server else "--curve-server-key NAME.key"
+        raise ValueError(f"--security is required: secret (a shared secret: --secret-file FILE, "
+                         f"the same file on both sides), curve (encrypted: --curve-key-pair "
+                         f"NAME.key_secret {curve}) or none (loopback only)")
     mode = SecurityMode(args.security)
     for option, (owner, on_server, on_client) in _SECURITY_OPTIONS.items():
         if not (on_server if server else on_client):
@@ -127,14 +132,14 @@ def _serve(args: argparse.Namespace) -> int:
         server = settings[0].server()
         endpoint = server.bind()
     except (ValueError, zmq.ZMQError) as exc:
-        print(f"kvconnector store serve: {exc}", file=sys.stderr)
+        print(f"kvconnector store serve: error: {exc}", file=sys.stderr)
         return 2
     workers = StoreWorkers(settings[1:])
     try:
         if args.workers > 1:
             server.shard_ports = [int(endpoint.rsplit(":", 1)[1]), *workers.start()]
     except RuntimeError as exc:
-        print(f"kvconnector store serve: {exc}", file=sys.stderr)
+        print(f"kvconnector store serve: error: {exc}", file=sys.stderr)
         return 2
     lost: list[str] = []
 
@@ -158,7 +163,7 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         client = StoreClient(args.url, _security(args, server=False), timeout_s=args.timeout)
     except ValueError as exc:
-        print(f"kvconnector store stats: {exc}", file=sys.stderr)
+        print(f"kvconnector store stats: error: {exc}", file=sys.stderr)
         return 2
     try:
         stats = client.stats()

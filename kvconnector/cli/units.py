@@ -22,3 +22,13 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return size
+
+
+def format_size(n: int) -> str:
+    """Bytes as people read them: '2 MiB', '640 KiB', '23.4 GiB', '3 B'."""
+    if n < 1024:
+        return f"{n} B"
+    units = ("KiB", "MiB", "GiB", "TiB", "PiB")
+    power = min(len(units), (n.bit_length() - 1) // 10)  # 1024 ** power <= n
+    value = f"{n / (1 << 10 * power):.1f}".rstrip("0").rstrip(".")
+    return f"{value} {units[power - 1]}"

@@ -37,7 +37,9 @@ class BackendEntry:
 
     `layouts`: the declared layout set, most preferred first (None: any), as vLLM's
     `supported_kv_cache_layouts()` returns it; `layouts_by_cc` overrides it on given
-    compute-capability majors; `vllm_class`: where vLLM defines the backend, for live lookups.
+    compute-capability majors; `vllm_class`: where vLLM defines the backend, for live lookups;
+    `test_only`: test support (a reference backend the engine tier registers with vLLM), known
+    to the connector but never listed to users (`kvconnector backends`).
     """
 
     name: str
@@ -48,6 +50,7 @@ class BackendEntry:
     layouts_by_cc: tuple[tuple[int, tuple[str, ...] | None], ...] = ()
     constraints: tuple[Constraint, ...] = ()
     vllm_class: str | None = None
+    test_only: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -55,6 +58,9 @@ class BackendEntry:
         if not isinstance(self.reads_strides, bool):
             raise ValueError(f"backend {self.name!r}: reads_strides must be a bool, "
                              f"got {self.reads_strides!r}")
+        if not isinstance(self.test_only, bool):
+            raise ValueError(f"backend {self.name!r}: test_only must be a bool, "
+                             f"got {self.test_only!r}")
         if not isinstance(self.evidence, str) or not self.evidence:
             raise ValueError(f"backend {self.name!r}: evidence must cite a source, "
                              f"got {self.evidence!r}")

@@ -142,13 +142,15 @@ _SEED: tuple[BackendEntry, ...] = (
          _ROCM_MLA + "; vLLM declares BLHNC, no stride check on record",
          ("LBNHC", "LBHNC", "BLHNC")),
     # The engine tier's reference backend (test support, not a kernel): vLLM's CPU build runs it
-    # through the same model runner, so the block-major path meets a real forward in CI.
+    # through the same model runner, so the block-major path meets a real forward in CI. Seeded
+    # here, not by the tests, so the connector knows it in every process an engine starts (the
+    # engine core, TP workers, `vllm serve`); never listed to users.
     BackendEntry("REF_ATTN", ViewKind.VLLM, True, "tests/engine/ref_attention.py: writes and "
                  "gathers pages by torch indexing through the layer's view (its strides, never "
                  "block x page); tests/engine/test_ref_attention.py (poisoned neighbours, every "
                  "element compared), tests/engine/test_engine_block_major.py (vLLM's CPU "
                  "engine: one copy per block, reload bit-identical, corrupt slots change it)",
-                 ("BLNHC", "BLHNC", "BHLNC"), vllm_class=REF_ATTN_CLASS),
+                 ("BLNHC", "BLHNC", "BHLNC"), vllm_class=REF_ATTN_CLASS, test_only=True),
 )
 _REGISTRY: dict[str, BackendEntry] = {entry.name: entry for entry in _SEED}
 
@@ -168,9 +170,10 @@ def lookup(name: str) -> BackendEntry | None:
     return _REGISTRY.get(name)
 
 
-def registered_backends() -> tuple[BackendEntry, ...]:
-    """Every entry, seeds first, in registration order."""
-    return tuple(_REGISTRY.values())
+def registered_backends(listed: bool = False) -> tuple[BackendEntry, ...]:
+    """Every entry, seeds first, in registration order; `listed`: only those shown to users
+    (test support left out)."""
+    return tuple(e for e in _REGISTRY.values() if not (listed and e.test_only))
 
 
 def backend_name(backend_cls: type) -> str:

@@ -166,7 +166,8 @@ def restored_blocks(path: str | os.PathLike[str], engine_digest: bytes,
                     rank_digests: Sequence[bytes], num_slots: int) -> dict[bytes, int]:
     """Engine key -> disk slot of every block of the engine's namespace that each rank's slab
     (named by its digest) holds in the same slot (a block some rank lacks is no hit). The
-    bytes are checked when read."""
+    bytes are checked when read. DiskError (transfer.disk.slab) naming the slab when a
+    directory or slab cannot be read."""
     common: dict[int, bytes] | None = None
     for digest in rank_digests:
         found = {slot: key for slot, key in scan(path, digest, num_slots).items()

@@ -44,6 +44,10 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert "ceilings" in out and "block-major" in out and "layer-major" in out
     assert "llama-3.1-70b-tp8 bf16" in out and "llama-3.1-70b-tp8 fp8" in out
     assert "best of 5 rounds" in out  # how the ceilings were taken, printed
+    # each figure judged against its ceiling, and on a CPU, what that ceiling is
+    assert "verdicts against the same-run memory copies: no GPU here" in out
+    assert "llama-3.1-70b-tp8 fp8 block-major: load " in out
+    assert "the shared pool's writer store, load and both are not meaningful" in out
 
     # not a terminal: a line per unit (2 cases x 2 layouts, the last ceiling round, 2 cases of
     # the shared pool, 2 cases x 2 remote modes), numbered, with the time so far and an estimate

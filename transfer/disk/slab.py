@@ -264,10 +264,14 @@ def open_footer(footer: memoryview, slot: int) -> tuple[int, bytes, int] | None:
 
 def scan(directory: str | os.PathLike[str], digest: bytes, num_slots: int) -> dict[int, bytes]:
     """Slot -> key of every sound footer in the slab of `digest` (slots past `num_slots` are
-    ignored); the blocks are checked when read."""
+    ignored); the blocks are checked when read. DiskError when the slab cannot be looked for or
+    opened (a directory this user may not search, a file it may not read)."""
     path = slab_path(directory, digest)
-    if not path.exists():
-        return {}
+    try:
+        if not path.exists():
+            return {}
+    except OSError as exc:  # e.g. a directory this user may not search (mode 000)
+        raise DiskError(f"cannot look for {path}: {exc}") from exc
     fd = open_direct(path, os.O_RDONLY)
     try:
         header = read_header(fd)
