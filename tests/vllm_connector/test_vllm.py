@@ -101,7 +101,7 @@ def test_slots_are_sized_by_the_largest_pipeline_stage() -> None:
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({}, "needs exactly one of 'cpu_bytes'"),
-    ({"cpu_bytes": 1, "cpu_gb": 2}, "unknown kv_connector_extra_config key"),
+    ({"cpu_bytes": 1, "cpu_gb": 2}, r"unknown key 'cpu_gb' \(did you mean 'cpu_bytes'\?\)"),
     ({"cpu_bytes": -5}, "cpu_bytes must be a positive integer"),
     ({"cpu_bytes": 1.5}, "cpu_bytes must be a positive integer"),
     ({"cpu_bytes": 1, "eviction": "fifo"}, "eviction must be one of"),
