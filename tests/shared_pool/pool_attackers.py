@@ -14,9 +14,7 @@ import mmap
 import multiprocessing as mp
 import os
 import random
-import select
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -30,13 +28,12 @@ from transfer.keys import Namespace
 from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
-from transfer.shared.testing import START_TIMEOUT_S, PoolProcess
+from transfer.shared.testing import PoolProcess
 
 NS = Namespace(model="attacker", dtype="bf16", block_size=4, block_layout="x")
 LEGIT_NS = Namespace(model="legit", dtype="bf16", block_size=4, block_layout="x")
 TIMEOUT_S = 60.0  # any wait on the daemon or a child: generous, a busy machine is slow
 _FORK = mp.get_context("fork")  # attackers need sockets only: no imports, no start-up time
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _TUNED_MAIN = """
 import json, sys
 from kvconnector.cli.serving import log_to_stderr, stop_on_signals
@@ -58,25 +55,8 @@ class TunedPool(PoolProcess):
         super().__init__(log_path, name)
         self.tuned_args = [name, str(capacity), str(slot_bytes), json.dumps(limits)]
 
-    def start(self) -> None:
-        if self.process is not None:
-            self.process.stdout.close()
-        command = [sys.executable, "-c", _TUNED_MAIN, *self.tuned_args]
-        path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
-                                            env={**os.environ, "PYTHONPATH": path,
-                                                 "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            readable, _, _ = select.select([self.process.stdout], [], [], 0.2)
-            if readable and b"serving at" in self.process.stdout.readline():
-                return
-            if self.process.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(f"tuned pool daemon did not start; log:\n"
-                           f"{self.log_path.read_text(errors='replace')[-4000:]}")
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", _TUNED_MAIN, *self.tuned_args]
 
 
 class Attacker:

@@ -32,10 +32,14 @@ class PoolProcess(ChildServer):
         self.path = socket_path(name)
         self.process: subprocess.Popen[bytes] | None = None
 
+    def command(self) -> list[str]:
+        """What runs the daemon (a subclass may run it otherwise)."""
+        return [sys.executable, "-m", "kvconnector.cli.pool", "pool", "serve", *self.args]
+
     def start(self) -> None:
         if self.process is not None:
             self.process.stdout.close()  # the previous run's pipe
-        command = [sys.executable, "-m", "kvconnector.cli.pool", "pool", "serve", *self.args]
+        command = self.command()
         path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
