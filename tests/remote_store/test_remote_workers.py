@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import torch
-from test_remote_flood import BUFFER_BOUND, CAPACITY, Bystander, _flood, _memory
+from store_bystander import Bystander, memory
+from test_remote_flood import BUFFER_BOUND, CAPACITY, _flood
 
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
@@ -303,7 +304,7 @@ def test_a_flood_at_one_worker_is_dropped_there(kind: str, tmp_path: Path) -> No
         deadline = time.monotonic() + 60
         while bystander.rounds < 2 and not bystander.failures and time.monotonic() < deadline:
             time.sleep(0.1)
-        idle = {pid: _memory(pid)["VmRSS"] for pid in workers}
+        idle = {pid: memory(pid)["VmRSS"] for pid in workers}
         try:
             summary = _flood(kind, second, bystander)
         finally:
@@ -319,7 +320,7 @@ def test_a_flood_at_one_worker_is_dropped_there(kind: str, tmp_path: Path) -> No
         # The store's bound (docs/protocol.md, "Memory bound"): capacity plus each worker's own
         # buffer budget (BUFFER_BOUND: a budget and what arrives between two checks); the flooded
         # worker alone within its capacity share and its own bound.
-        peaks = {pid: _memory(pid)["VmHWM"] - idle[pid] for pid in workers}
+        peaks = {pid: memory(pid)["VmHWM"] - idle[pid] for pid in workers}
         assert sum(peaks.values()) <= CAPACITY + len(workers) * BUFFER_BOUND, (kind, peaks,
                                                                               summary)
         assert peaks[workers[1]] <= CAPACITY // len(workers) + BUFFER_BOUND, (kind, peaks,
