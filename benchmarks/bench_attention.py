@@ -1,6 +1,6 @@
 """Decode attention on block-major layer views vs layer-major views vs a contiguous cache.
 
-The cost of the block-major layout (DESIGN.md section 2): one layer's pages lie num_layers x
+The cost of the block-major layout (docs/design.md): one layer's pages lie num_layers x
 further apart. This times the same stride-reading Triton decode kernel
 (benchmarks/attention_kernels.py) on one layer of
 - a block-major buffer (BLHNC / BLNHC) through kvconnector's layer-view factory,
@@ -8,7 +8,7 @@ further apart. This times the same stride-reading Triton decode kernel
 - a contiguous per-layer cache,
 all holding the same values (outputs are checked bit-identical), with a random non-adjacent block
 table. Repetitions are interleaved (variant order rotated each round); the figure is the median
-of the per-round medians. Target: block-major / layer-major within 2% (DESIGN.md section 5).
+of the per-round medians. Bar: block-major / layer-major within 2% (docs/benchmarks.md).
 
     python benchmarks/bench_attention.py --json bench_attention.json
 

@@ -207,7 +207,7 @@ def parent(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO / "tests" / "engine"))
     from tiny_llama import write_tiny_llama
 
-    from transfer.remote.store.testing import StoreProcess
+    from kvconnector.servers.store import StoreProcess
 
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as scratch:

@@ -1,11 +1,11 @@
 """Redis Cluster tier throughput against `redis-benchmark` moving values of the same size.
 
-Starts a local 3-master Redis Cluster (transfer.remote.redis.local.LocalRedisCluster), or uses
-one given by --url/--user/--password-file. For 1 and 4 clients, each client is a process with its
-own RedisClusterBackend and its own pool of 2 MiB blocks (random bytes, its own keys), and puts all
-its blocks, then gets them all back into other slots; the bytes are compared after every get (a
-mismatch fails the run). Aggregate rate = all clients' bytes / (last finish - first start), the
-clients released together by a barrier.
+Starts a local 3-master Redis Cluster (kvconnector.servers.redis_cluster.LocalRedisCluster),
+or uses one given by --url/--user/--password-file. For 1 and 4 clients, each client is a
+process with its own RedisClusterBackend and its own pool of 2 MiB blocks (random bytes, its
+own keys), and puts all its blocks, then gets them all back into other slots; the bytes are
+compared after every get (a mismatch fails the run). Aggregate rate = all clients' bytes /
+(last finish - first start), the clients released together by a barrier.
 
 Baseline: `redis-benchmark --cluster -t set|get -d 2097192` (2 MiB + the 40 B value header: the
 same bytes per value as ours) on the same cluster in the same run:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     cluster = None
     if args.url is None:
-        from transfer.remote.redis.local import LocalRedisCluster
+        from kvconnector.servers.redis_cluster import LocalRedisCluster
 
         cluster = LocalRedisCluster()
         url, auth = cluster.url, RedisAuth.from_sources(cluster.user, cluster.password_file)

@@ -3,7 +3,7 @@
 For each security mode (none, shared secret, CURVE), 1 and 4 client processes and each number of
 connections per client, every client puts its pool of 2 MiB blocks to a store server process
 and gets them back into its pool; the same clients then move the same bytes with the raw
-baseline (transfer.remote.store.baseline): the same number of DEALER connections per client,
+baseline (kvconnector.servers.baseline): the same number of DEALER connections per client,
 each with a lane thread and an IO thread, sending the same zero-copy frames in the same
 requests, dealt the same way, with the same window, to a ROUTER process with the same security
 and IO threads that keeps them up to the store's capacity and sends them back zero-copy on get,
@@ -46,8 +46,9 @@ import zmq.auth
 
 from kvconnector.bench.report import cpu_model
 from kvconnector.cli.units import parse_size
+from kvconnector.servers.baseline import RawServerProcess, RawStreams, security_args
+from kvconnector.servers.store import StoreProcess
 from transfer.keys import Namespace
-from transfer.remote.store.baseline import RawServerProcess, RawStreams, security_args
 from transfer.remote.store.client import (
     DEFAULT_GET_BATCH_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
@@ -58,7 +59,6 @@ from transfer.remote.store.client import (
 from transfer.remote.store.lanes import default_connections
 from transfer.remote.store.security import Security
 from transfer.remote.store.server import DEFAULT_IO_THREADS
-from transfer.remote.store.testing import StoreProcess
 from transfer.remote.store.workers import DEFAULT_WORKERS
 
 BLOCK = 2 << 20
@@ -78,7 +78,7 @@ BASELINE = ("raw pyzmq: per client the same number of DEALER connections as the 
             "requests, dealt the same way, same window per connection; one-word headers, no "
             "checksums, no index; a ROUTER process with the same security and IO threads "
             "keeping the newest frames up to the store's capacity and answering gets with them "
-            "zero-copy (transfer/remote/store/baseline.py); trials alternate with the store's")
+            "zero-copy (kvconnector/servers/baseline.py); trials alternate with the store's")
 
 
 @dataclass(frozen=True)

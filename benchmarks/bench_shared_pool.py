@@ -31,8 +31,7 @@ from kvconnector.bench.ceilings import CeilingMeter
 from kvconnector.bench.runner import allocate_arenas
 from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
 from kvconnector.cli.units import parse_size
-from kvconnector.layout.allocator import shm_free_bytes
-from transfer.shared.daemon import slot_layout
+from kvconnector.layout.allocator import shm_free_bytes, slot_stride
 
 
 def main() -> int:
@@ -57,7 +56,7 @@ def main() -> int:
           f"GB/s, store {ceilings.d2h_gbps:.2f} GB/s, both {ceilings.bidir_gbps:.2f} GB/s")
     rows = []
     for size in (parse_size(s) for s in args.block_sizes.split(",")):
-        stride = slot_layout(size).block_stride_bytes
+        stride = slot_stride(size)
         n = min(SHARED_MAX_BYTES[device.type] // size, int(shm_free_bytes() * 0.8) // (3 * stride))
         if n < 1:
             raise SystemExit(f"/dev/shm has {shm_free_bytes() >> 20} MiB free: no room for "

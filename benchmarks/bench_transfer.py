@@ -48,6 +48,7 @@ from kvconnector.bench.runner import (
 )
 from kvconnector.bench.sizing import BenchError, disjoint_id_sets, format_bytes
 from kvconnector.cli.units import parse_size
+from kvconnector.layout.allocator import slots_in
 from kvconnector.layout.descriptor import KVForm, KVLayout
 from transfer.pool import HostPool
 
@@ -148,7 +149,8 @@ def pool_ready(size: int, case: Case) -> dict:
     before = first_touch_memset_s(size)
     t0 = time.perf_counter()
     try:
-        pool = HostPool.create(case.layout, budget_bytes=size, pinned=pinned)
+        block_bytes = case.layout.block_bytes
+        pool = HostPool.create(slots_in(size, block_bytes), block_bytes, pinned=pinned)
     except (OSError, MemoryError, RuntimeError, ValueError) as exc:
         raise BenchError(f"cannot create a {format_bytes(size)} pool: {exc}") from None
     pool_s = time.perf_counter() - t0

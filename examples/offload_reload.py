@@ -27,7 +27,7 @@ import torch
 
 from kvconnector import KVLayout, allocate
 from transfer.copy.factory import make_backend
-from transfer.engine import TransferEngine, TransferResult
+from transfer.engine import CopyResult, TransferEngine
 from transfer.pool import HostPool
 
 SEED = 0
@@ -42,7 +42,7 @@ def non_adjacent_ids(pool: list[int], count: int, gen: torch.Generator) -> list[
 
 
 def run_job(engine: TransferEngine, job_id: int, store: bool, gpu_ids: list[int],
-            slot_ids: list[int]) -> TransferResult:
+            slot_ids: list[int]) -> CopyResult:
     """Submit one store or load job, wait for it and return its result."""
     if store:
         engine.submit_store(job_id, gpu_ids, slot_ids)
@@ -81,7 +81,7 @@ def main() -> int:
 
     chunks = cache.block_chunks()  # (num_blocks, block_bytes): row b = block b, one copy
     expected = chunks[src_index].cpu()
-    pool = HostPool.create(layout, num_slots=moved)
+    pool = HostPool.create(moved, layout.block_bytes)
     engine = TransferEngine(pool.segments([chunks]), make_backend("auto", device))
     try:
         stored = run_job(engine, 1, True, src, slots)

@@ -1,8 +1,8 @@
 """A Redis Cluster shared by two engines: one stores a prompt's blocks, the other reuses them.
 
 What it shows, all on loopback:
-- a real 3-master Redis Cluster of Debian's redis-server (transfer.remote.redis.local starts it:
-  an ACL user with a random password in a 0600 file, `maxmemory-policy allkeys-lru`,
+- a real 3-master Redis Cluster of Debian's redis-server (kvconnector.servers.redis_cluster
+  starts it: an ACL user with a random password in a 0600 file, `maxmemory-policy allkeys-lru`,
   `cluster-require-full-coverage no`);
 - engine A (its own process and host pool, 2 MiB blocks like Llama-3.1-8B's block-major layout)
   puts a prompt's blocks under namespaced keys made from chained block hashes, through
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from kvconnector.servers.redis_cluster import LocalRedisCluster
 from transfer.keys import Namespace
 from transfer.remote.factory import open_backend
-from transfer.remote.redis.local import LocalRedisCluster
 from transfer.remote.redis.values import RedisAuth, redis_key
 
 BLOCK_TOKENS = 16

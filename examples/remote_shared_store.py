@@ -89,7 +89,7 @@ def client_a(url: str, secret_file: str, results: mp.Queue) -> None:
     """Compute a prompt's blocks into the pool and put them into the store."""
     try:
         hashes = block_hashes(prompt_tokens(SHARED_BLOCKS, 0))
-        pool = HostPool.create(LAYOUT, num_slots=POOL_SLOTS)
+        pool = HostPool.create(POOL_SLOTS, LAYOUT.block_bytes)
         slots = torch.randperm(POOL_SLOTS, generator=torch.Generator().manual_seed(3))
         slots = slots[:len(hashes)].tolist()  # wherever the engine's pool had room
         for slot, block_hash in zip(slots, hashes, strict=True):
@@ -112,7 +112,7 @@ def client_b(url: str, secret_file: str, results: mp.Queue) -> None:
     try:
         hashes = block_hashes(prompt_tokens(SHARED_BLOCKS, EXTRA_BLOCKS))
         keys = NAMESPACE.keys(hashes)
-        pool = HostPool.create(LAYOUT, num_slots=POOL_SLOTS)
+        pool = HostPool.create(POOL_SLOTS, LAYOUT.block_bytes)
         with StoreClient(url, Security.shared_secret(secret_file), namespace=NAMESPACE,
                          pool=pool.slots, timeout_s=CLIENT_TIMEOUT_S) as client:
             found = client.lookup(keys)

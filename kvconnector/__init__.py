@@ -1,9 +1,11 @@
 """kvconnector: block-major KV-cache offloading for LLM serving engines.
 
 The parts, each in its own folder: `kvconnector.layout` (the layout core: descriptor, allocator,
-views, recognition, backend registry), `transfer` (host pool, block index, copy engine, tiers),
-`kvconnector.offload` (the vLLM-free scheduler and worker cores), `kvconnector.vllm` (the thin vLLM
-adapter), `kvconnector.cli` and `kvconnector.bench`.
+views, recognition, backend registry), `transfer` (host pool, block index, copy engine, the tier
+contract and its registry, one folder per tier), `kvconnector.offload` (the vLLM-free scheduler
+and worker cores), `kvconnector.vllm` (the thin vLLM adapter), `kvconnector.cli`,
+`kvconnector.bench`, and `kvconnector.servers` (local servers for the bench, the examples and the
+tests: not part of the connector).
 
 Importing this package never imports CUDA-only modules (cupy, cuda-bindings) or vLLM, nor torch:
 the public names (the layout core's: `KVLayout`, `allocate`, `layer_view`, ...) load on first use,

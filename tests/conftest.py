@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from transfer.remote.redis.local import LocalRedisCluster
+    from kvconnector.servers.redis_cluster import LocalRedisCluster
 
 
 def _cuda_available() -> bool:
@@ -137,7 +137,7 @@ def engines_shut_down() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[LocalRedisCluster]:
     """A 3-master cluster shared by a module's tests: read-mostly, never kill its nodes."""
-    from transfer.remote.redis.local import LocalRedisCluster
+    from kvconnector.servers.redis_cluster import LocalRedisCluster
 
     with LocalRedisCluster() as cluster:
         yield cluster
@@ -147,7 +147,7 @@ def redis_cluster() -> Iterator[LocalRedisCluster]:
 def redis_cluster_factory() -> Iterator[Callable[..., LocalRedisCluster]]:
     """make(**kwargs) -> a fresh LocalRedisCluster (maxmemory=, tls=, ...), stopped after the
     test (for tests that kill nodes or need their own settings)."""
-    from transfer.remote.redis.local import LocalRedisCluster
+    from kvconnector.servers.redis_cluster import LocalRedisCluster
 
     clusters: list[LocalRedisCluster] = []
 

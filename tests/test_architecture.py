@@ -4,29 +4,51 @@
 - `transfer` imports, of `kvconnector`, only the layout core, and never vLLM;
 - the offload cores (`kvconnector.offload`) are vLLM-free;
 - nothing below the adapter (`kvconnector.vllm`) imports it, the benchmark and the CLI included;
-- no two modules reach each other through imports (no cycles).
+- no two modules reach each other through imports (no cycles);
+- the offload core imports no tier package (a registered tier's folder, or the shared pool's)
+  nor the registry, and its code names no tier (only comments and docstrings may);
+- a tier package imports no other tier package;
+- the local servers (`kvconnector.servers`: for the bench, the examples and the tests) are used
+  by no part of the connector, and use none of it above `transfer`.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
+from transfer.registry import registered_tiers
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvconnector", "transfer")
+OFFLOAD_CORE = "kvconnector.offload"
+# Every registered tier's folder (where its planner lives), and the shared pool's: the pool the
+# core drives through its index and mapping protocols, never by name.
+TIER_PACKAGES = tuple(sorted({spec.make_planner.__module__.rpartition(".")[0]
+                              for spec in registered_tiers()} | {"transfer.shared"}))
+TIER_WORDS = tuple(sorted({spec.name for spec in registered_tiers()} | {"shared"}))
 
 # module prefix -> imports it may not make (prefixes; "vllm" is the vLLM package itself)
 FORBIDDEN = {
     "kvconnector.layout": ("transfer", "vllm", "kvconnector.offload", "kvconnector.vllm",
                            "kvconnector.cli", "kvconnector.bench"),
     "transfer": ("vllm", "kvconnector.offload", "kvconnector.vllm", "kvconnector.cli",
-                 "kvconnector.bench"),
-    "kvconnector.offload": ("vllm", "kvconnector.vllm", "kvconnector.cli", "kvconnector.bench"),
+                 "kvconnector.bench", "kvconnector.servers"),
+    OFFLOAD_CORE: ("vllm", "kvconnector.vllm", "kvconnector.cli", "kvconnector.bench",
+                   "kvconnector.servers", "transfer.registry", *TIER_PACKAGES),
+    "kvconnector.vllm": ("kvconnector.servers", "kvconnector.bench", "kvconnector.cli"),
+    # local servers for the bench, the examples and the tests: never part of the connector
+    "kvconnector.servers": ("vllm", "kvconnector.offload", "kvconnector.vllm",
+                            "kvconnector.bench", "kvconnector.cli"),
+    **{tier: tuple(other for other in TIER_PACKAGES if other != tier) for tier in TIER_PACKAGES},
     "kvconnector.bench": ("vllm", "kvconnector.vllm"),
     "kvconnector.cli": ("vllm", "kvconnector.vllm"),
 }
@@ -73,9 +95,32 @@ def violations(sources: Mapping[str, str]) -> list[str]:
             if name == prefix or name.startswith(prefix + "."):
                 found += [f"{name} imports {t}" for t in sorted(targets)
                           if any(t == b or t.startswith(b + ".") for b in banned)]
+    for name, text in sorted(sources.items()):
+        if name == OFFLOAD_CORE or name.startswith(OFFLOAD_CORE + "."):
+            found += [f"{name} names tier {word!r} in its code" for word in tier_words(text)]
     found += [f"import cycle: {' -> '.join(c)}" for c in cycles(
         {n: {t for t in ts if t in known and t != n} for n, ts in graph.items()})]
     return found
+
+
+def tier_words(source: str) -> list[str]:
+    """The tier names (TIER_WORDS, as words or parts of identifiers) that `source`'s code uses:
+    names, strings and attributes count; comments and docstrings do not."""
+    doc_lines = {node.body[0].value.lineno for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef |
+                               ast.AsyncFunctionDef)
+                 and node.body and isinstance(node.body[0], ast.Expr)
+                 and isinstance(node.body[0].value, ast.Constant)
+                 and isinstance(node.body[0].value.value, str)}
+    code = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            continue
+        if token.type == tokenize.STRING and token.start[0] in doc_lines:
+            continue
+        code.append(token.string)
+    text = " ".join(code).lower()
+    return [word for word in TIER_WORDS if re.search(rf"(?<![a-z]){word}(?![a-z])", text)]
 
 
 def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
@@ -131,6 +176,18 @@ def test_the_tree_keeps_the_import_rules() -> None:
     ({"kvconnector.bench.movers": "from kvconnector.vllm import connector",
       "kvconnector.vllm.connector": ""},
      ["kvconnector.bench.movers imports kvconnector.vllm.connector"]),
+    ({"kvconnector.offload.scheduler": "from transfer.disk.planner import DiskPlanner",
+      "transfer.disk.planner": ""},
+     ["kvconnector.offload.scheduler imports transfer.disk.planner",
+      "kvconnector.offload.scheduler names tier 'disk' in its code"]),
+    ({"kvconnector.offload.worker": '"""The disk tier, said in a docstring."""\n'
+                                    "# and in a comment: remote, shared\n"
+                                    "def f(job):\n    return job.disk_keys\n"},
+     ["kvconnector.offload.worker names tier 'disk' in its code"]),
+    ({"kvconnector.offload.loads": "x = {'remote': 1}\n"},
+     ["kvconnector.offload.loads names tier 'remote' in its code"]),
+    ({"transfer.remote.worker": "from transfer.disk.io import DiskIO",
+      "transfer.disk.io": ""}, ["transfer.remote.worker imports transfer.disk.io"]),
     ({"transfer.copy.base": "def f():\n    from transfer.copy import cuda\n",
       "transfer.copy.cuda": "from transfer.copy.base import Lane",
       "transfer.copy": ""}, ["import cycle: transfer.copy.base -> transfer.copy.cuda"]),

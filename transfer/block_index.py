@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from transfer.eviction import ARCPolicy, EvictionPolicy, LRUPolicy
 from transfer.keys import DIGEST_BYTES, Namespace
@@ -122,6 +123,7 @@ class BlockIndex:
     # The shared pool's client (transfer/shared/client.py) changes both when it reconnects.
     epoch = 0  # bumped when the slots handed out before belong to an index that is gone
     segment = ""  # the shared-memory segment the slots live in; "" for each worker's own pool
+    checked = False  # a private pool's blocks are written by its own workers only
 
     @property
     def num_free(self) -> int:
@@ -368,3 +370,38 @@ class BlockIndex:
                     raise ValueError(f"key {key.hex()} appears twice in one call")
                 seen.add(key)
         return checked
+
+
+class PoolIndex(Protocol):
+    """The index verbs the scheduler core uses, served by a private `BlockIndex` or by a shared
+    pool's daemon (transfer/shared/client.py `SharedIndex`), whose plans may come back None
+    (a key another engine evicted) and whose blocks carry checksums (`checked`)."""
+
+    epoch: int
+    segment: str
+    checked: bool
+
+    @property
+    def num_reclaimable(self) -> int: ...
+
+    @property
+    def stats(self) -> IndexStats: ...
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def prepare_store(self, keys: Sequence[bytes]) -> StorePlan: ...
+
+    def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]: ...
+
+    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool],
+                       sums: Sequence[Sequence[int]] | None = None) -> None: ...
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan | None: ...
+
+    def complete_load(self, keys: Sequence[bytes]) -> None: ...
+
+    def discard(self, keys: Sequence[bytes]) -> None: ...
+
+    def clear(self) -> None: ...

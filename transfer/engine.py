@@ -16,7 +16,7 @@ Ordering and back-pressure:
 Row sums (transfer/copy/row_sums.py), where the blocks are one segment of whole 32-bit words
 (`can_sum`): a store with `sums=True` reports the sums of its blocks once copied; a load with
 `expect` is checked on the way (staged, summed, compared) and only its leading blocks that
-match reach the GPU (`TransferResult.good`).
+match reach the GPU (`CopyResult.good`).
 Bad input raises ValueError before any byte moves. Call from one thread (the worker's).
 """
 
@@ -41,7 +41,7 @@ DEFAULT_MAX_STORE_BYTES = 2 << 30  # ~40 ms of stores at PCIe Gen5 x16 speed
 
 
 @dataclass(frozen=True)
-class TransferResult:
+class CopyResult:
     """One finished job: `nbytes` moved in `seconds` of copy time (0 and 0.0 when not ok; a
     checked load's: the blocks that matched).
     `sums`: a summed store's block sums (unsigned 64-bit); `good`: a checked load's leading
@@ -99,7 +99,7 @@ class TransferEngine:
         self._spare: list[Lane] = []
         self._all_spares: list[Lane] = []
         self._jobs: dict[int, _Job] = {}  # accepted and not yet reported, in submission order
-        self._dropped: dict[int, TransferResult] = {}
+        self._dropped: dict[int, CopyResult] = {}
         self._closed = False
 
     @functools.cached_property
@@ -123,7 +123,7 @@ class TransferEngine:
         """Queue GPU blocks -> pool slots; False when dropped under pressure (nothing copied).
 
         The copy sees everything the caller's current stream had queued before this call.
-        `sums`: the job also sums its blocks once copied (`TransferResult.sums`).
+        `sums`: the job also sums its blocks once copied (`CopyResult.sums`).
         """
         if sums:
             self._check_can_sum(job_id)
@@ -135,7 +135,7 @@ class TransferEngine:
         """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU.
 
         `expect`: each block's sum (unsigned 64-bit, as a summed store reported it); then only
-        the leading blocks whose slots match are copied (`TransferResult.good`), the others'
+        the leading blocks whose slots match are copied (`CopyResult.good`), the others'
         GPU blocks keep their bytes.
         """
         expected = None
@@ -170,7 +170,7 @@ class TransferEngine:
         caller that submits the load later, in parts)."""
         self._checked_ids(job_id, False, gpu_block_ids, slot_ids)
 
-    def get_finished(self) -> list[TransferResult]:
+    def get_finished(self) -> list[CopyResult]:
         """Results of every job that finished (or was dropped) since the last call, once each."""
         results = list(self._dropped.values())
         self._dropped.clear()
@@ -182,7 +182,7 @@ class TransferEngine:
                 self._spare.append(job.lane)
             ok, sums, good = job.completion.ok, job.completion.sums, job.completion.good
             nbytes = job.nbytes if good is None else good * self.block_bytes  # bytes that landed
-            results.append(TransferResult(job_id, ok, nbytes if ok else 0,
+            results.append(CopyResult(job_id, ok, nbytes if ok else 0,
                                           job.completion.seconds if ok else 0.0, job.is_store,
                                           () if sums is None else tuple(to_unsigned(sums)),
                                           good))
@@ -247,7 +247,7 @@ class TransferEngine:
             inflight = self.inflight_store_bytes
             # An idle lane takes any store, so one larger than the bound is never refused forever.
             if inflight and inflight + nbytes > self.max_store_bytes:
-                self._dropped[job_id] = TransferResult(job_id, False, 0, 0.0, True)
+                self._dropped[job_id] = CopyResult(job_id, False, 0, 0.0, True)
                 return False
         gpu_set, slot_set = frozenset(gpu.tolist()), frozenset(slots.tolist())
         after = [j.completion for j in self._jobs.values()

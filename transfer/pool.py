@@ -2,9 +2,11 @@
 
 Block-major whatever the GPU cache's order: slot s is one aligned chunk holding one block of every
 layer, so a block-major GPU cache moves a block in one copy and a layer-major one in one copy per
-layer, each landing in its place inside the slot. Allocated by the allocator from a byte budget
-(page-aligned, touched in parallel), pinned with cudaHostRegister where CUDA is present, and in
-named shared memory when several worker processes use one pool (each attaches and registers it).
+layer, each landing in its place inside the slot. The pool knows only the slots' byte size (a
+block's bytes: the GPU cache's layout gives them meaning); the allocator gives it that many
+page-aligned slots, zeroed (touched in parallel), pinned with cudaHostRegister where CUDA is
+present, and in named shared memory when several worker processes use one pool (each attaches
+and registers it).
 """
 
 from __future__ import annotations
@@ -13,58 +15,43 @@ from collections.abc import Sequence
 
 import torch
 
-from kvconnector.layout.allocator import KVBuffer, allocate, attach
-from kvconnector.layout.descriptor import KVLayout
+from kvconnector.layout.allocator import SlotBuffer, allocate_slots, attach_slots
 from transfer.copy.base import Segment
-
-
-def block_major_twin(layout: KVLayout) -> KVLayout:
-    """The block-outermost order with the same block bytes: LBHNC -> BLHNC, LHBNC -> BLHNC."""
-    if layout.is_block_major:
-        return layout
-    return layout.with_order("B" + layout.order.replace("B", ""))
 
 
 class HostPool:
     """Host slots of `block_bytes` each; `slots` is their (num_slots, block_bytes) row view."""
 
-    def __init__(self, buffer: KVBuffer) -> None:
+    def __init__(self, buffer: SlotBuffer) -> None:
         self.buffer = buffer
-        self.layout = buffer.layout
-        self.slots = buffer.block_chunks()
+        self.slots = buffer.rows()
 
     @classmethod
-    def create(cls, layout: KVLayout, *, budget_bytes: int | None = None,
-               num_slots: int | None = None, pinned: bool | None = None,
+    def create(cls, num_slots: int, slot_bytes: int, *, pinned: bool | None = None,
                shared_name: str | None = None) -> HostPool:
-        """A zeroed pool for the cache `layout` (any order), sized by a byte budget or a count.
+        """`num_slots` zeroed, page-aligned slots of `slot_bytes` each (a cache block's bytes).
 
         `pinned` defaults to whether CUDA is available; `shared_name` puts it in /dev/shm.
         """
         if pinned is None:
             pinned = torch.cuda.is_available()
-        return cls(allocate(block_major_twin(layout), num_blocks=num_slots,
-                            budget_bytes=budget_bytes, pinned=pinned, shared_name=shared_name))
+        return cls(allocate_slots(num_slots, slot_bytes, pinned=pinned, shared_name=shared_name))
 
     @classmethod
-    def attach(cls, shared_name: str, layout: KVLayout | None = None, *,
-               pinned: bool | None = None) -> HostPool:
-        """The pool another process created under `shared_name`, registered here if `pinned`.
-
-        Its layout comes from the creator's header; `layout`, when given, must match it.
-        """
+    def attach(cls, shared_name: str, *, pinned: bool | None = None) -> HostPool:
+        """The pool another process created under `shared_name`, registered here if `pinned`;
+        its slot count and size come from the creator's header."""
         if pinned is None:
             pinned = torch.cuda.is_available()
-        twin = None if layout is None else block_major_twin(layout)
-        return cls(attach(shared_name, twin, pinned=pinned))
+        return cls(attach_slots(shared_name, pinned=pinned))
 
     @property
     def num_slots(self) -> int:
-        return self.buffer.num_blocks
+        return self.buffer.num_slots
 
     @property
     def block_bytes(self) -> int:
-        return self.layout.block_bytes
+        return self.buffer.slot_bytes
 
     @property
     def pinned(self) -> bool:
@@ -101,7 +88,7 @@ class HostPool:
                              f"hold {self.block_bytes} B")
         if total != width:
             raise ValueError(f"the GPU chunks hold {total} B per block but this pool's slots hold "
-                             f"{width} B ({self.layout.describe()}): a pool of the "
+                             f"{width} B (of {self.block_bytes} B slots): a pool of the "
                              f"wrong block size")
         out = []
         for c in chunks:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-CEILING_COPY_BYTES = 2 << 30  # DESIGN.md's ceilings are 2 GiB copies
+CEILING_COPY_BYTES = 2 << 30  # the ceilings are 2 GiB copies (docs/benchmarks.md)
 PLAIN_CALL_BYTES = 4096
 PLAIN_CALLS = 1000
 
@@ -74,7 +74,7 @@ class CeilingMeter:
         self._pinned: torch.Tensor | None = None
         if device_arena.device.type == "cuda":
             # The arena is pinned in block-aligned cudaHostRegister ranges, which one 2 GiB copy
-            # may not straddle; the ceiling is one cudaHostAlloc buffer, as in DESIGN.md.
+            # may not straddle; the ceiling is one cudaHostAlloc buffer of its own.
             self._pinned = torch.empty(2 * self._size, dtype=torch.uint8, pin_memory=True)
         self._rounds: list[Ceilings] = []
 

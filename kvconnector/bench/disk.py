@@ -34,11 +34,10 @@ import torch
 
 from kvconnector.bench.report import ABOVE_CEILING, SCALE, judged
 from kvconnector.bench.sizing import BenchError, format_bytes
-from kvconnector.layout.descriptor import KVLayout
+from transfer.checksums import block_checksum
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import FOOTER_BYTES, DiskError, SlabFile, slot_bytes
 from transfer.pool import HostPool
-from transfer.remote.backend import block_checksum
 
 POISON = 0x5A
 
@@ -75,7 +74,7 @@ def _measure_size(tmp: Path, fio: str, name: str, block_bytes: int, total_bytes:
     if free < 2 * n * slot + (64 << 20):
         raise BenchError(f"{tmp} has {format_bytes(free)} free; {name} needs "
                          f"{format_bytes(2 * n * slot)} (slab + fio file): lower --disk-bytes")
-    pool = HostPool.create(KVLayout.opaque(block_bytes), num_slots=n)
+    pool = HostPool.create(n, block_bytes)
     digest = os.urandom(16)
     try:
         slab = SlabFile(tmp, digest, block_bytes, n)

@@ -3,7 +3,7 @@
 The store client uses its default connections for this machine (several where cores allow:
 transfer.remote.store.lanes). Each security mode (none, shared secret, CURVE) is held against a
 raw pyzmq baseline with the same security on the same loopback in the same run
-(transfer.remote.store.baseline): as many DEALER connections, the same zero-copy frames in the
+(kvconnector.servers.baseline): as many DEALER connections, the same zero-copy frames in the
 same requests and window, to an in-process ROUTER (as the store is in-process: both pay for both
 ends) with the store's IO threads, which keeps the frames and sends them back on get. The store
 adds the protocol, checksums and its index on top of that.
@@ -136,7 +136,7 @@ def _measure_mode(case: Any, pool: torch.Tensor, n: int, mode: str, server_sec: 
             "connections": connections,
             "baseline": f"raw pyzmq, {connections} DEALER connection(s) to an in-process "
                         f"ROUTER, same security, requests, window and IO threads, zero-copy "
-                        f"frames (transfer/remote/store/baseline.py)"}
+                        f"frames (kvconnector/servers/baseline.py)"}
 
 
 def _timed(fn: Callable[[], None], repeats: int) -> list[float]:
@@ -152,7 +152,7 @@ def _timed(fn: Callable[[], None], repeats: int) -> list[float]:
 def _raw_baseline(pool: torch.Tensor, n: int, server_sec: Any, client_sec: Any,
                   repeats: int, connections: int) -> tuple[list[float], list[float]]:
     """Seconds per round of n blocks put from the even rows and got into the odd rows."""
-    from transfer.remote.store.baseline import RawServer, RawStreams
+    from kvconnector.servers.baseline import RawServer, RawStreams
     from transfer.remote.store.client import (
         DEFAULT_GET_BATCH_BYTES,
         DEFAULT_MAX_IN_FLIGHT,

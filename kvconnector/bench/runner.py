@@ -26,8 +26,8 @@ from kvconnector.bench.sizing import (
     disjoint_id_sets,
     format_bytes,
 )
-from kvconnector.layout.allocator import KVBuffer, allocate
-from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVLayout
+from kvconnector.layout.allocator import KVBuffer, SlotBuffer, allocate_slots, slot_stride
+from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from transfer.copy.base import Segment
 from transfer.pool import HostPool
 
@@ -41,14 +41,14 @@ class Arenas:
     host: torch.Tensor  # 1-D uint8: pinned on CUDA
     pinned: bool
     ready_s: float  # time to allocate, first-touch and pin both
-    _keep: list[KVBuffer] = field(default_factory=list, repr=False)
+    _keep: list[SlotBuffer] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
         _release(self._keep)
         self._keep = []
 
 
-def _release(buffers: list[KVBuffer]) -> None:
+def _release(buffers: list[SlotBuffer]) -> None:
     for buf in buffers:
         if buf.pinned:  # the arena's own registration (see allocate_arenas)
             torch.cuda.cudart().cudaHostUnregister(buf.raw.data_ptr())
@@ -61,12 +61,11 @@ def allocate_arenas(side_bytes: int, device: torch.device) -> Arenas:
     rows = side_bytes // _ARENA_ROW
     if rows < 2:
         raise BenchError(f"budget per side {format_bytes(side_bytes)} is below 2 MiB")
-    arena = KVLayout.opaque(_ARENA_ROW)
     t0 = time.perf_counter()
-    keep: list[KVBuffer] = []
+    keep: list[SlotBuffer] = []
     try:
-        keep.append(allocate(arena, num_blocks=rows, device=device))
-        keep.append(allocate(arena, num_blocks=rows, device="cpu"))
+        keep.append(allocate_slots(rows, _ARENA_ROW, device=device))
+        keep.append(allocate_slots(rows, _ARENA_ROW, device="cpu"))
         if device.type == "cuda":
             # Cases carve pools of every block size out of this arena; one copy may not straddle
             # two cudaHostRegister ranges, so the arena is registered as one range.
@@ -90,12 +89,13 @@ def case_capacity(case: Case, arenas: Arenas) -> int:
 
 def case_segments(case: Case, arenas: Arenas, capacity: int, layer_major: bool) -> list[Segment]:
     """A cache of `capacity` blocks in the device arena and a pool of as many in the host arena."""
-    pool_layout = case.layout.with_alignment(HOST_ALIGNMENT)
-    cache_layout = case.layer_major if layer_major else pool_layout
+    block_bytes = case.layout.block_bytes
+    stride = slot_stride(block_bytes)
+    cache_layout = case.layer_major if layer_major else case.layout.with_alignment(HOST_ALIGNMENT)
     cache_raw = arenas.device[: cache_layout.buffer_bytes(capacity)]
-    pool_raw = arenas.host[: pool_layout.buffer_bytes(capacity)]
+    pool_raw = arenas.host[: capacity * stride]
     cache = KVBuffer(cache_layout, capacity, cache_raw)
-    pool = HostPool(KVBuffer(pool_layout, capacity, pool_raw, pinned=arenas.pinned))
+    pool = HostPool(SlotBuffer(capacity, block_bytes, stride, pool_raw, pinned=arenas.pinned))
     return segments_for(cache, pool)
 
 

@@ -31,17 +31,16 @@ from typing import Any
 
 import torch
 
-from kvconnector.layout.allocator import KVBuffer, allocate, shm_free_bytes
+from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
+from kvconnector.servers.pool import PoolProcess
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
 from transfer.pool import HostPool
-from transfer.shared.checks import SlotChecker
 from transfer.shared.client import SharedIndex
-from transfer.shared.daemon import slot_layout
-from transfer.shared.testing import PoolProcess
+from transfer.slot_checker import SlotChecker
 
 SHARED_MAX_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}  # per set of blocks
 WRITER_JOBS = 8  # the writer's store of a set, as jobs (an engine stores one per request)
@@ -61,7 +60,7 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
         # An engine's slot is its block rounded up to whole 4 KiB pages (kvconnector/vllm/
         # tiers.py), and a pool's --slot-bytes is whole pages.
         block_bytes = -(-case.layout.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
-        stride = slot_layout(block_bytes).block_stride_bytes
+        stride = slot_stride(block_bytes)
         fit = int(shm_free_bytes() * 0.8) // (3 * stride)
         n = min(blocks, SHARED_MAX_BYTES[device.type] // block_bytes, fit)
         if n < 1:
@@ -83,7 +82,7 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
 def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) -> dict[str, Any]:
     """Store n blocks from a writer process, load them here; figures of one block size."""
     name = f"bench-{secrets.token_hex(4)}"
-    stride = slot_layout(block_bytes).block_stride_bytes
+    stride = slot_stride(block_bytes)
     namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
@@ -100,9 +99,9 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             store_s = _answer(ours)  # the writer stored set 0
             keys = [_key(namespace, 0, i) for i in range(n)]
             pool = HostPool.attach(index.segment, pinned=device.type == "cuda")
-            cache = allocate(slot_layout(block_bytes), num_blocks=n, device=device)
+            cache = allocate_slots(n, block_bytes, device=device)
             cache.raw.fill_(0xA5)
-            engine = TransferEngine(pool.segments([cache.block_chunks()]))
+            engine = TransferEngine(pool.segments([cache.rows()]))
             loads = CheckedLoads(checker, 0)
             ids = torch.randperm(n).tolist()
             meta_load, load_s, xxh3_s, slots = [], [], [], []
@@ -124,12 +123,12 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 _load(loads, engine, pool.slots, _job(2 * r + 1, ids, slots, keys, plan.sums))
                 xxh3_s.append(time.perf_counter() - t3)
             # Every byte: this process's cache holds what the writer put in the slots.
-            loaded = cache.block_chunks()[ids]
+            loaded = cache.rows()[ids]
             if not torch.equal(loaded.cpu(), pool.slots[slots]):
                 raise RuntimeError("loaded blocks differ from the writer's")
             cache.raw.fill_(0xA5)
             _load_summed(engine, 2 * repeats + 2, ids, slots, [s[1] for s in plan.sums])
-            if not torch.equal(cache.block_chunks()[ids].cpu(), pool.slots[slots]):
+            if not torch.equal(cache.rows()[ids].cpu(), pool.slots[slots]):
                 raise RuntimeError("blocks loaded by row sums differ from the writer's")
             meta_store = _store_metadata(index, namespace, n, repeats)
             # Both directions: the writer stores set 1 while this process loads set 0.
@@ -230,11 +229,11 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
         namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
         index = SharedIndex(name, namespace, block_bytes)
         pool = HostPool.attach(index.segment, pinned=device.startswith("cuda"))
-        cache: KVBuffer = allocate(slot_layout(block_bytes), num_blocks=n, device=device)
+        cache: SlotBuffer = allocate_slots(n, block_bytes, device=device)
         g = torch.Generator(device=device).manual_seed(1)
         cache.raw.copy_(torch.randint(0, 256, cache.raw.shape, dtype=torch.uint8,
                                       device=device, generator=g))
-        engine = TransferEngine(pool.segments([cache.block_chunks()]))
+        engine = TransferEngine(pool.segments([cache.rows()]))
         checker = SlotChecker()
         ids = torch.randperm(n).tolist()
         for batch in (0, 1):

@@ -1,6 +1,9 @@
 """Allocator: one buffer per cache, on a GPU, in (pinned) host memory or in named shared memory.
 
-Block-major layouts put block b of every layer in one aligned chunk (>= 256 B on GPU, a page on the
+Two kinds of buffer: a `KVBuffer` holds a cache whose `KVLayout` gives its bytes meaning; a
+`SlotBuffer` holds `num_slots` slots of a byte size and nothing else (a host pool's slots, whose
+bytes mean what the GPU cache says; the bench's arenas). Block-major layouts put block b of every
+layer in one aligned chunk, and slots are aligned the same way (>= 256 B on GPU, a page on the
 host), so one copy moves a whole block. Host memory comes from mmap (page-aligned); it is touched
 by torch's multi-threaded fill, never page by page from Python, and pinned with cudaHostRegister in
 block-aligned chunks from several threads (faster than torch's pin_memory, which is one serial
@@ -22,7 +25,9 @@ from kvconnector.layout.descriptor import (
     GPU_ALIGNMENT,
     HOST_ALIGNMENT,
     KVLayout,
+    _check_positive,
     dtype_name,
+    round_up,
 )
 from kvconnector.layout.views import ViewKind, layer_view
 
@@ -30,6 +35,7 @@ SHM_DIR = "/dev/shm"
 # cudaHostRegister granularity: big enough to amortise a call, small enough to spread on threads.
 _PIN_CHUNK_BYTES = 1 << 30
 _HEADER_MAGIC = "kvconnector-buffer-v1"
+_SLOTS_MAGIC = "kvconnector-slots-v1"
 
 
 @dataclass
@@ -62,11 +68,97 @@ class KVBuffer:
 
     def close(self, unlink: bool = False) -> None:
         """Release host memory (unpinning it first); `unlink` removes the shared-memory name."""
-        if self._host is not None:
-            self._host.release()
-            self._host = None
-        if unlink and self.shared_name is not None:
-            unlink_shared(self.shared_name)
+        _release(self._host, self.shared_name, unlink)
+        self._host = None
+
+
+@dataclass
+class SlotBuffer:
+    """`num_slots` slots of `slot_bytes` each, `stride` bytes apart (aligned): no layout.
+
+    A host pool's slots hold blocks of whatever layout the GPU cache has; only their size counts.
+    """
+
+    num_slots: int
+    slot_bytes: int
+    stride: int  # slot_bytes rounded up to the alignment: slot s starts at s * stride
+    raw: torch.Tensor  # 1-D uint8 over exactly num_slots * stride bytes
+    pinned: bool = False
+    shared_name: str | None = None
+    _host: _HostMemory | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def rows(self) -> torch.Tensor:
+        """(num_slots, slot_bytes) uint8 view: row s is slot s."""
+        return torch.as_strided(self.raw, (self.num_slots, self.slot_bytes), (self.stride, 1),
+                                self.raw.storage_offset())
+
+    def close(self, unlink: bool = False) -> None:
+        """Release host memory (unpinning it first); `unlink` removes the shared-memory name."""
+        _release(self._host, self.shared_name, unlink)
+        self._host = None
+
+
+def slot_stride(slot_bytes: int, device: str | torch.device = "cpu") -> int:
+    """Bytes from one slot to the next: `slot_bytes` rounded up to a page on the host (to 256 B
+    on a GPU), so every slot starts aligned."""
+    _check_positive("slot_bytes", slot_bytes)
+    return round_up(slot_bytes, _alignment(torch.device(device)))
+
+
+def slots_in(budget_bytes: int, slot_bytes: int, device: str | torch.device = "cpu") -> int:
+    """How many slots of `slot_bytes` a byte budget holds (0 when not one)."""
+    _check_positive("budget_bytes", budget_bytes)
+    return budget_bytes // slot_stride(slot_bytes, device)
+
+
+def allocate_slots(num_slots: int, slot_bytes: int, *, device: str | torch.device = "cpu",
+                   pinned: bool = False, shared_name: str | None = None) -> SlotBuffer:
+    """Allocate `num_slots` zeroed, aligned slots of `slot_bytes` each.
+
+    device "cuda[:i]" gives GPU memory; "cpu" gives host memory, pinned if asked (needs CUDA) and
+    in named shared memory (/dev/shm) if `shared_name` is given, so a second process can
+    `attach_slots`.
+    """
+    _check_positive("num_slots", num_slots)
+    device = torch.device(device)
+    stride = slot_stride(slot_bytes, device)
+    _check_host_options(device, pinned, shared_name)
+    nbytes = num_slots * stride
+    if device.type == "cuda":
+        raw = _aligned_gpu_bytes(nbytes, device)
+        raw.zero_()
+        return SlotBuffer(num_slots, slot_bytes, stride, raw)
+    host = _HostMemory.create(nbytes, shared_name)
+    host.touch()
+    if shared_name is not None:
+        _write_fields(host, [_SLOTS_MAGIC, num_slots, slot_bytes, stride])
+    if pinned:
+        host.pin(_pin_chunk(stride))
+    return SlotBuffer(num_slots, slot_bytes, stride, host.tensor, pinned, shared_name, host)
+
+
+def attach_slots(shared_name: str, *, pinned: bool = False) -> SlotBuffer:
+    """Map the slots another process allocated with `shared_name` (their count and size come
+    from the creator's header page), registered with CUDA here if `pinned`."""
+    host = _HostMemory.open(shared_name)
+    try:
+        magic, num_slots, slot_bytes, stride = _read_fields(host)
+        if magic != _SLOTS_MAGIC:
+            raise ValueError(magic)
+    except Exception as exc:
+        host.release()
+        raise ValueError(f"{shared_name!r} in {SHM_DIR} is not a kvconnector slot buffer") from exc
+    if host.size != num_slots * stride or stride < slot_bytes:
+        host.release()
+        raise ValueError(f"shared buffer {shared_name!r} is {host.size} B; its header says "
+                         f"{num_slots} slots of {slot_bytes} B, {stride} B apart")
+    if pinned:
+        host.pin(_pin_chunk(stride))
+    return SlotBuffer(num_slots, slot_bytes, stride, host.tensor, pinned, shared_name, host)
 
 
 def allocate(layout: KVLayout, *, num_blocks: int | None = None, budget_bytes: int | None = None,
@@ -82,10 +174,8 @@ def allocate(layout: KVLayout, *, num_blocks: int | None = None, budget_bytes: i
         raise ValueError(f"give exactly one of num_blocks ({num_blocks!r}) and budget_bytes "
                          f"({budget_bytes!r})")
     on_gpu = device.type == "cuda"
-    if on_gpu and (pinned or shared_name):
-        raise ValueError(f"pinned/shared memory is host memory; device {device} is a GPU")
-    floor = GPU_ALIGNMENT if on_gpu else HOST_ALIGNMENT
-    layout = layout.with_alignment(max(layout.alignment, floor))
+    _check_host_options(device, pinned, shared_name)
+    layout = layout.with_alignment(max(layout.alignment, _alignment(device)))
     if num_blocks is None:
         num_blocks = layout.blocks_in(budget_bytes)  # type: ignore[arg-type]
         if num_blocks == 0:
@@ -96,14 +186,12 @@ def allocate(layout: KVLayout, *, num_blocks: int | None = None, budget_bytes: i
         raw = _aligned_gpu_bytes(nbytes, device)
         raw.zero_()
         return KVBuffer(layout, num_blocks, raw)
-    if pinned and not torch.cuda.is_available():
-        raise ValueError("pinned=True needs CUDA; this machine has none")
     host = _HostMemory.create(nbytes, shared_name)
     host.touch()
     if shared_name is not None:
         _write_header(host, layout, num_blocks)
     if pinned:
-        host.pin(_pin_chunk(layout))
+        host.pin(_pin_chunk(_block_step(layout)))
     return KVBuffer(layout, num_blocks, host.tensor, pinned, shared_name, host)
 
 
@@ -121,23 +209,30 @@ def attach(shared_name: str, layout: KVLayout | None = None, *,
         raise ValueError(f"shared buffer {shared_name!r} holds {found.describe()}, "
                          f"not {layout.describe()}")
     if pinned:
-        host.pin(_pin_chunk(found))
+        host.pin(_pin_chunk(_block_step(found)))
     return KVBuffer(found, num_blocks, host.tensor, pinned, shared_name, host)
 
 
 def _write_header(host: _HostMemory, layout: KVLayout, num_blocks: int) -> None:
-    fields = [_HEADER_MAGIC, layout.num_layers, layout.num_kv_heads, layout.head_size,
-              layout.block_size, dtype_name(layout.dtype), layout.form.value, layout.order,
-              layout.alignment, num_blocks]
+    _write_fields(host, [_HEADER_MAGIC, layout.num_layers, layout.num_kv_heads, layout.head_size,
+                         layout.block_size, dtype_name(layout.dtype), layout.form.value,
+                         layout.order, layout.alignment, num_blocks])
+
+
+def _write_fields(host: _HostMemory, fields: list[object]) -> None:
     packed = msgpack.packb(fields)
     host.header[: len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
 
 
+def _read_fields(host: _HostMemory) -> list[object]:
+    unpacker = msgpack.Unpacker(max_buffer_size=HOST_ALIGNMENT)
+    unpacker.feed(host.header.numpy().tobytes())  # msgpack stops at the object's end
+    return next(unpacker)
+
+
 def _read_header(host: _HostMemory, shared_name: str) -> tuple[KVLayout, int]:
     try:
-        unpacker = msgpack.Unpacker(max_buffer_size=HOST_ALIGNMENT)
-        unpacker.feed(host.header.numpy().tobytes())  # msgpack stops at the object's end
-        fields = next(unpacker)
+        fields = _read_fields(host)
         magic, layers, heads, head_size, block_size, dtype, form, order, align, blocks = fields
         if magic != _HEADER_MAGIC:
             raise ValueError(magic)
@@ -254,10 +349,32 @@ class _HostMemory:
             self.mm.close()
 
 
-def _pin_chunk(layout: KVLayout) -> int:
+def _block_step(layout: KVLayout) -> int:
+    """Bytes a block spans: its aligned chunk when block-major, else its pages' sum."""
+    return layout.block_stride_bytes if layout.is_block_major else layout.block_bytes
+
+
+def _pin_chunk(per_block: int) -> int:
     # Whole blocks per registered range: a copy never straddles two registrations.
-    per_block = layout.block_stride_bytes if layout.is_block_major else layout.block_bytes
     return max(1, _PIN_CHUNK_BYTES // per_block) * per_block
+
+
+def _alignment(device: torch.device) -> int:
+    return GPU_ALIGNMENT if device.type == "cuda" else HOST_ALIGNMENT
+
+
+def _check_host_options(device: torch.device, pinned: bool, shared_name: str | None) -> None:
+    if device.type == "cuda" and (pinned or shared_name):
+        raise ValueError(f"pinned/shared memory is host memory; device {device} is a GPU")
+    if pinned and not torch.cuda.is_available():
+        raise ValueError("pinned=True needs CUDA; this machine has none")
+
+
+def _release(host: _HostMemory | None, shared_name: str | None, unlink: bool) -> None:
+    if host is not None:
+        host.release()
+    if unlink and shared_name is not None:
+        unlink_shared(shared_name)
 
 
 def _aligned_gpu_bytes(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -97,13 +97,6 @@ class KVLayout:
             raise ValueError(f"alignment must be a power of two >= the element size, "
                              f"got {self.alignment}")
 
-    @classmethod
-    def opaque(cls, block_bytes: int) -> KVLayout:
-        """A block-major layout whose block is `block_bytes` opaque bytes: for host pools and
-        arenas that only need the size of a slot (the bytes mean what the GPU cache says)."""
-        return cls(num_layers=1, num_kv_heads=1, head_size=block_bytes, block_size=1,
-                   dtype=torch.uint8, form=KVForm.MLA, order="BLNHC")
-
     # -- sizes -------------------------------------------------------------------------------
     @property
     def element_size(self) -> int:

@@ -5,7 +5,7 @@ stride (about num_layers x page), never page size. Kernels that compute page add
 block x page size instead of reading stride(block) read another layer through such a view; the
 backend registry records which kernels read strides.
 
-Stride rules applied to every view (DESIGN.md section 2):
+Stride rules applied to every view (docs/design.md, "Views, and the stride rules"):
 - stride(-1) == 1 and content rows never overlap (every other non-size-1 stride >= row length);
 - size-1 dims get their canonical stride (zero-copy; no address changes);
 - non-outermost strides are multiples of 16 bytes (TMA); the base is 16-byte aligned.

@@ -2,9 +2,11 @@
 
 - scheduler: `OffloadScheduler` (lookups, which blocks to load and store each step, pins), with
   its lookup and load half in loads.py and what it tracks in records.py;
-- worker: `OffloadWorker` (the engine's cache, the host pool, the copy engine, the remote fetches);
-- jobs: the per-step jobs and reports passed between them;
-- remote_tier: the remote store as the scheduler and the worker use it (lookups, fetch, put).
+- worker: `OffloadWorker` (the engine's cache, the host pool, the copy engine, the tiers' ops),
+  with a checked pool's checksums in pool_checks.py and checked_loads.py;
+- jobs: the per-step jobs and reports passed between them.
 
+The tiers below the pool reach the cores only through the contract in transfer/tier.py (their
+planners and workers, made by the adapter from transfer/registry.py): the cores name no tier.
 The vLLM adapter (`kvconnector.vllm`) translates vLLM's calls into these and nothing more.
 """

@@ -1,6 +1,6 @@
 """Loads of a shared pool's blocks, each block checked before it is copied.
 
-Another process can write a shared slot after its commit (transfer/shared/checks.py), and a
+Another process can write a shared slot after its commit (transfer/slot_checker.py), and a
 corrupt block must never reach a KV block, so a load's checked blocks go to the copy engine only
 once their checksums matched. Without losing the copy's bandwidth: the load is cut into chunks of
 about CHUNK_BYTES (the first one a block per checker thread), every chunk's check starts at once
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from kvconnector.offload.jobs import TransferJob
-from transfer.engine import TransferEngine, TransferResult
-from transfer.shared.checks import SlotChecker
+from transfer.engine import CopyResult, TransferEngine
+from transfer.slot_checker import SlotChecker
 
 # Per chunk, a submit and its completion cost host time that hashing threads contend for: on
 # the H200, 2 GiB of 2 MiB blocks loaded at 24.8 GB/s in 16 MiB chunks, 39.0 in 64 MiB,
@@ -128,7 +128,7 @@ class CheckedLoads:
                 load.copying += 1
             load.submitted += 1
 
-    def copied(self, result: TransferResult) -> bool:
+    def copied(self, result: CopyResult) -> bool:
         """Take a finished engine job: True when it is a chunk of a load here."""
         job_id = self._chunks.pop(result.job_id, None)
         if job_id is None:
@@ -140,7 +140,7 @@ class CheckedLoads:
         load.seconds += result.seconds
         return True
 
-    def settled(self, engine: TransferEngine) -> list[TransferResult]:
+    def settled(self, engine: TransferEngine) -> list[CopyResult]:
         """Submit what passed its check (`advance`), then the loads settled since the last call,
         each as one copy result (its chunks summed); a load with a failed check copied its good
         head only (`take_good` says how long)."""
@@ -151,7 +151,7 @@ class CheckedLoads:
                 del self._loads[job_id]
                 if load.good is not None:
                     self._good[job_id] = load.good
-                out.append(TransferResult(job_id, load.ok, load.nbytes if load.ok else 0,
+                out.append(CopyResult(job_id, load.ok, load.nbytes if load.ok else 0,
                                           load.seconds if load.ok else 0.0, False))
         return out
 

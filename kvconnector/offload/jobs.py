@@ -11,19 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from transfer.tier import TierOp
+
 
 @dataclass(frozen=True)
 class TransferJob:
     """Copy `block_ids[i]` (GPU) <-> `slots[i]` (host pool) for every i, as one job.
 
-    With a remote tier: a store's `keys` are put to the store after the copy (write-through);
-    a load's `keys` are fetched from the store into the last len(keys) slots before the copy.
-    With a disk tier: a load's `disk_keys` are read from `disk_slots` into the slots before
-    those (after the blocks the pool holds). `fail`: the job cannot run (no slot for a fetch,
-    no pin); the worker reports it failed at once. `pool`: the shared pool's segment the slots
-    belong to ("" for each worker's own pool).
+    A load's `fetches`: ops of the tiers below the pool (in tier order) that fill its last
+    slots (`fetch_slots`) before the copy; the copy then loads the head of its slots that holds
+    good blocks. `fail`: the job cannot run (no slot for a fetch, no pin); the worker reports it
+    failed at once. `pool`: the pool segment the slots belong to ("" for each worker's own pool).
 
-    A shared pool's blocks carry checksums (transfer/shared/checks.py): `checked` are the keys
+    A checked pool's blocks carry checksums (transfer/slot_checker.py): `checked` are the keys
     of the job's first len(checked) slots; a store hashes each worker's part of them and reports
     it (`JobReport.sums`); a load checks each worker's part against `sums` (per block, one
     checksum per rank) and fails from the first block that differs. `row_sums`: per block, one
@@ -35,36 +35,21 @@ class TransferJob:
     req_id: str
     block_ids: tuple[int, ...]
     slots: tuple[int, ...]
-    keys: tuple[bytes, ...] = ()
     fail: bool = False
-    disk_keys: tuple[bytes, ...] = ()
-    disk_slots: tuple[int, ...] = ()
     pool: str = ""
     checked: tuple[bytes, ...] = ()
     sums: tuple[tuple[int, ...], ...] = ()
     row_sums: tuple[tuple[int, ...], ...] = ()
+    fetches: tuple[TierOp, ...] = ()
 
     @property
     def fetch_slots(self) -> tuple[int, ...]:
-        """Pool slots a disk read or a remote get fills before the copy."""
-        return self.slots[len(self.slots) - len(self.keys) - len(self.disk_keys):]
+        """Pool slots the fetches fill before the copy."""
+        return self.slots[len(self.slots) - sum(len(op.keys) for op in self.fetches):]
 
-
-@dataclass(frozen=True)
-class DiskWrite:
-    """Write pool `slots` (holding `keys`) to `disk_slots`, one block each. A spill of blocks
-    the pool evicted runs before the stores that reuse their slots (the worker orders them).
-    `pool`: the shared pool's segment of the slots ("" for each worker's own pool); `sums`: per
-    block, the per-rank checksums it was committed with (a shared pool's), which each worker
-    writes into its footers instead of hashing its part again; empty: hashed on the disk
-    threads."""
-
-    job_id: int
-    keys: tuple[bytes, ...]
-    slots: tuple[int, ...]
-    disk_slots: tuple[int, ...]
-    pool: str = ""
-    sums: tuple[tuple[int, ...], ...] = ()
+    @property
+    def fetch_keys(self) -> tuple[bytes, ...]:
+        return tuple(key for op in self.fetches for key in op.keys)
 
 
 @dataclass
@@ -74,18 +59,21 @@ class StepJobs:
     `flush`: ids of store jobs to finish before this step's forward (their blocks were freed by a
     preemption and may be written again now). `held`: requests whose blocks the connector keeps
     after they finished; a worker reports each as finished sending once its stores are done.
+    `writes`: tier writes out of pool slots; one of blocks the pool evicted runs before the
+    stores that reuse their slots (the worker orders them). `erase`: tiers that were reset, whose
+    workers forget every block they stored.
     """
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
     flush: list[int] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
-    spills: list[DiskWrite] = field(default_factory=list)
-    erase_disk: bool = False  # the tiers were reset: no block on disk may come back
+    writes: list[TierOp] = field(default_factory=list)
+    erase: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.stores or self.flush or self.held or self.spills
-                    or self.erase_disk)
+        return not (self.loads or self.stores or self.flush or self.held or self.writes
+                    or self.erase)
 
 
 @dataclass
@@ -94,43 +82,50 @@ class JobReport:
 
     done: dict[int, int] = field(default_factory=dict)  # job id -> workers that copied it
     failed: dict[int, int] = field(default_factory=dict)  # job id -> workers that failed it
-    put: dict[int, int] = field(default_factory=dict)  # store job id -> workers done putting it
-    spilled: dict[int, int] = field(default_factory=dict)  # DiskWrite id -> workers done
-    disk_bad: dict[int, list[bytes]] = field(default_factory=dict)  # job -> keys a disk failed
+    written: dict[int, int] = field(default_factory=dict)  # tier write id -> workers done
+    # tier op (a write's id, or a load's for its fetches) -> keys that failed there
+    bad: dict[int, list[bytes]] = field(default_factory=dict)
     load_bytes: int = 0
     load_seconds: float = 0.0
     store_bytes: int = 0
     store_seconds: float = 0.0
-    disk_read_bytes: int = 0
-    disk_read_seconds: float = 0.0
-    disk_write_bytes: int = 0
-    disk_write_seconds: float = 0.0
-    # store -> rank -> its blocks' xxh3s, then their row sums where taken (protocol.block_sums)
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier -> its counts
+    # store -> rank -> its xxh3s, then row sums where taken (transfer.checksums.block_sums)
     sums: dict[int, dict[int, list[int]]] = field(default_factory=dict)
-    checksum_failures: int = 0  # loads refused: a shared pool block's checksum differed
+    checksum_failures: int = 0  # loads refused: a checked pool's block checksum differed
 
     def merged(self, other: JobReport) -> JobReport:
         counts = [_summed(a, b) for a, b in ((self.done, other.done), (self.failed, other.failed),
-                                              (self.put, other.put),
-                                              (self.spilled, other.spilled))]
-        bad = {job: list(keys) for job, keys in self.disk_bad.items()}
-        for job_id, keys in other.disk_bad.items():
-            bad[job_id] = bad.get(job_id, []) + [k for k in keys if k not in bad.get(job_id, ())]
+                                              (self.written, other.written))]
+        bad = {op: list(keys) for op, keys in self.bad.items()}
+        for op_id, keys in other.bad.items():
+            bad[op_id] = bad.get(op_id, []) + [k for k in keys if k not in bad.get(op_id, ())]
         totals = [getattr(self, name) + getattr(other, name) for name in _TOTALS]
+        tiers = {tier: dict(counts) for tier, counts in self.tiers.items()}
+        for tier, their in other.tiers.items():
+            mine = tiers.setdefault(tier, {})
+            for name, value in their.items():
+                mine[name] = mine.get(name, 0) + value
         sums = {job: dict(ranks) for job, ranks in self.sums.items()}
         for job_id, ranks in other.sums.items():
             sums.setdefault(job_id, {}).update(ranks)
         failures = self.checksum_failures + other.checksum_failures
-        return JobReport(*counts, bad, *totals, sums, failures)
+        return JobReport(*counts, bad, *totals, tiers, sums, failures)
 
     def is_empty(self) -> bool:
-        """Nothing to send (a report of disk bytes or bad keys alone is not empty)."""
-        return not (self.done or self.failed or self.put or self.spilled or self.disk_bad
-                    or self.disk_read_bytes or self.disk_write_bytes or self.checksum_failures)
+        """Nothing to send (a report of tier counts or bad keys alone is not empty)."""
+        return not (self.done or self.failed or self.written or self.bad
+                    or any(any(c.values()) for c in self.tiers.values())
+                    or self.checksum_failures)
+
+    def count(self, tier: str, counts: dict[str, float]) -> None:
+        """Add a tier's counts."""
+        mine = self.tiers.setdefault(tier, {})
+        for name, value in counts.items():
+            mine[name] = mine.get(name, 0) + value
 
 
-_TOTALS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds", "disk_read_bytes",
-           "disk_read_seconds", "disk_write_bytes", "disk_write_seconds")
+_TOTALS = ("load_bytes", "load_seconds", "store_bytes", "store_seconds")
 
 
 def _summed(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:

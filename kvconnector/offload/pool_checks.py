@@ -1,4 +1,4 @@
-"""A worker's checksums of a shared pool's blocks, job by job (transfer/shared/checks.py).
+"""A worker's checksums of a shared pool's blocks, job by job (transfer/slot_checker.py).
 
 A store is hashed once its copy is done and reported with its checksums (the scheduler commits
 it with every rank's); a worker whose cache is on a GPU (ROW_SUMS_DEVICES) also reports its
@@ -6,8 +6,8 @@ blocks' row sums (transfer/copy/row_sums.py), taken by its copy engine, and chec
 blocks all carry them on the way, by its copy engine (`expected`): no host hashing on the load
 path. Else a load's blocks are checked before they are copied, chunk by chunk (`loads`:
 checked_loads.py), and the load is reported once its checks and copies are done;
-blocks a load fetched into the pool (remote store, disk) are hashed, so they stay in the pool
-with their checksums (a disk read's, verified there, are taken as they are). This worker's part
+blocks a load fetched into the pool (from a tier below) are hashed, so they stay in the pool
+with their checksums (those its tier verified are taken as they are). This worker's part
 of every slot is `rows`; its checksum is entry `rank` of each block's per-rank list.
 """
 
@@ -20,8 +20,8 @@ import torch
 
 from kvconnector.offload.checked_loads import CheckedLoads, rank_sums
 from kvconnector.offload.jobs import JobReport, TransferJob
-from transfer.engine import TransferEngine, TransferResult
-from transfer.shared.checks import SlotChecker
+from transfer.engine import CopyResult, TransferEngine
+from transfer.slot_checker import SlotChecker
 
 # Caches whose workers take and check row sums: on a GPU they cost nothing on the host; a CPU
 # computes them at ~1 GB/s a core against xxh3's ~20 (dev VM), so CPU workers use xxh3 only.
@@ -58,7 +58,7 @@ class PoolChecks:
         if job.checked:
             self._stores[job.job_id] = (job.checked, job.slots)
 
-    def store_copied(self, result: TransferResult, rows: torch.Tensor) -> bool:
+    def store_copied(self, result: CopyResult, rows: torch.Tensor) -> bool:
         """True when the store is being hashed now (reported by `hashed`); False: report it."""
         checked = self._stores.pop(result.job_id, None)
         if not result.ok or checked is None:
@@ -97,12 +97,12 @@ class PoolChecks:
         return None if None in sums else sums
 
     def fetched(self, job: TransferJob, rows: torch.Tensor,
-                read: Sequence[int | None] = ()) -> None:
+                verified: Sequence[int | None] = ()) -> None:
         """Every block the job fetched is in its slot: hash them for their commit, but for
-        those read from disk whose checksum the read verified against the bytes in the slot
-        (`read`, in the order of its disk keys: the same checksum, of the same bytes and key)."""
-        keys = job.disk_keys + job.keys
-        known = list(read) + [None] * (len(keys) - len(read))
+        those whose checksum their tier verified against the bytes in the slot (`verified`, in
+        the order of its fetch keys: the same checksum, of the same bytes and key)."""
+        keys = job.fetch_keys
+        known = list(verified) + [None] * (len(keys) - len(verified))
         todo = [i for i, checksum in enumerate(known) if checksum is None]
         hashed = self.checker.hash(rows, [job.fetch_slots[i] for i in todo],
                                    [keys[i] for i in todo])
@@ -125,7 +125,7 @@ class PoolChecks:
         fetched = self._fetched.get(job_id)
         return fetched is None or fetched.done()
 
-    def failed_tail(self, result: TransferResult, block_ids: tuple[int, ...],
+    def failed_tail(self, result: CopyResult, block_ids: tuple[int, ...],
                     report: JobReport) -> tuple[int, ...]:
         """The load's `block_ids` from the first whose check failed (only those before it were
         copied), counted in `report`; its fetched blocks' checksums go there too when the copy

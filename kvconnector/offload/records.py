@@ -20,18 +20,30 @@ class OffloadCounters:
     failed_stores: int = 0
     evictions: int = 0
     unplaced_blocks: int = 0  # blocks not stored: every slot busy
-    remote_hit_tokens: int = 0  # of hit_tokens, fetched from the remote store
-    disk_hit_tokens: int = 0  # of hit_tokens, read from the disk tier
-    disk_read_bytes: int = 0  # disk_*: see DiskCounters
-    disk_read_seconds: float = 0.0
-    disk_write_bytes: int = 0
-    disk_write_seconds: float = 0.0
-    checksum_failures: int = 0  # loads refused: a shared pool block's checksum differed
-    disk_failed_reads: int = 0
-    disk_failed_writes: int = 0
-    disk_evictions: int = 0
-    remote_lookup_failures: int = 0  # store lookups late or failed (answered from the CPU tier)
+    checksum_failures: int = 0  # loads refused: a checked pool's block checksum differed
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
+    # per tier below the pool: its hit_tokens (of hit_tokens, served from it) and its own counts
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def flat(self) -> dict[str, float]:
+        """One name per counter: a tier's as `<tier>_<name>`."""
+        out: dict[str, float] = {k: v for k, v in vars(self).items() if k != "tiers"}
+        for tier, counts in self.tiers.items():
+            out.update({f"{tier}_{name}": value for name, value in counts.items()})
+        return out
+
+    def __getattr__(self, name: str) -> float:
+        """A tier's counter by its flat name (`disk_read_bytes`); 0 if the tier counted none."""
+        tier, _, counter = name.partition("_")
+        counts = self.__dict__.get("tiers", {}).get(tier)
+        if counts is None or not counter:
+            raise AttributeError(f"{type(self).__name__} has no counter {name!r}")
+        return counts.get(counter, 0)
+
+    def add(self, tier: str, counts: dict[str, float]) -> None:
+        mine = self.tiers.setdefault(tier, {})
+        for name, value in counts.items():
+            mine[name] = mine.get(name, 0) + value
 
 
 @dataclass
@@ -43,9 +55,8 @@ class Job:
     pending: int  # workers yet to report
     epoch: int  # the index's epoch when planned
     failed: bool = False
-    fetch_keys: list[bytes] = field(default_factory=list)  # load: reserved for a read or get
-    disk_keys: list[bytes] = field(default_factory=list)  # load: read from disk (pinned there)
-    # a shared pool's store (or fetch): rank -> checksums of the blocks it wrote
+    fetches: list[tuple[str, list[bytes]]] = field(default_factory=list)  # load: per tier
+    # a checked pool's store (or fetch): rank -> checksums of the blocks it wrote
     sums: dict[int, list[int]] = field(default_factory=dict)
     # store of sliding window blocks: vLLM frees one of them once the request's computed
     # tokens reach this; the job must be flushed before a forward may write the block again
@@ -53,23 +64,22 @@ class Job:
 
 
 @dataclass
-class Put:
-    keys: list[bytes]
-    pending: int  # workers yet to report the put
-    epoch: int
-    finished: bool = False  # the store job is done
-    pinned: bool = False  # the keys are pinned (the store succeeded)
+class Write:
+    """A tier's write in flight: `pinned` pool keys stay pinned until every worker is done."""
+
+    tier: str
+    pinned: list[bytes]
+    pending: int  # workers yet to report
+    epoch: int  # the pool index's connection the pins belong to
 
 
 @dataclass
 class Lookup:
     start: int  # first block asked about
     asked: int  # blocks asked about
-    cpu_hits: int  # leading blocks the CPU tier holds
+    pool_hits: int  # leading blocks the pool holds
     rest: list[bytes]  # keys of the blocks after those
-    disk_hits: int = 0  # leading `rest` on disk
-    remote_hits: int = 0  # `rest` after the disk hits in the remote store
-    disk_capped: bool = False  # more were on disk than the pool could take: no remote hits
+    tier_hits: list[int] = field(default_factory=list)  # per tier in order, leading `rest` next
 
 
 @dataclass

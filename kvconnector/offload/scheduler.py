@@ -11,21 +11,19 @@ Life of a job: `plan_load` / `plan_stores` / `request_finished` create jobs; `bu
 out once; every worker reports each job done or failed (`JobReport`, summed over ranks by vLLM's
 aggregation); when all `num_workers` have reported, `complete` finishes it in the index.
 
-With a remote store (remote_tier.py), every store job is also put to the store by every worker
-once copied (write-through; a worker whose bytes another rank puts only reports); its keys are
-readable at once and pinned until every worker reports the put (`JobReport.put`), so no new
-store reuses a slot zmq still reads.
+Below the pool, the tiers (transfer.tier) are driven through their planners: a stored block goes
+to each tier that writes stored blocks once its store is done (pinned in the pool until every
+worker wrote it), and to those that keep evicted blocks as the pool evicts it (before a store
+reuses its slot: the worker orders them); a tier the pool only stages blocks for drops them from
+the pool once written there.
 
-With a disk tier (kvconnector/offload/disk_tier.py), blocks go to disk as the pool evicts them
-or, write-through, once stored (`StepJobs.spills`).
-
-With a shared pool (transfer/shared/: `index` a SharedIndex), the daemon's index answers: a
+With a checked pool (transfer/shared/: `index` a SharedIndex), the daemon's index answers: a
 lookup's hits may be evicted by another engine before the load pins them (the load then fails
 and vLLM recomputes), jobs carry the segment their slots live in, and a job planned on a
 connection that is gone (a restarted daemon) completes nothing in the new one (its lease went
 with the connection). Its blocks carry checksums: every worker hashes its part of a stored
 block (`JobReport.sums`), the store commits with them, and a load hands them to the workers,
-which check their parts (transfer/shared/checks.py).
+which check their parts (transfer/slot_checker.py).
 
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
@@ -37,32 +35,31 @@ Block safety (a GPU block must not be reused while a store still reads it):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 
-from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
-from kvconnector.offload.loads import LoadPlanner
-from kvconnector.offload.records import Job, OffloadCounters, Put, RequestState
-from transfer.block_index import BlockIndex
+from kvconnector.offload.loads import POOL, LoadPlanner
+from kvconnector.offload.records import Job, OffloadCounters, RequestState
+from transfer.block_index import BlockIndex, PoolIndex
+from transfer.checksums import block_sums
 from transfer.keys import Namespace
-from transfer.shared.client import SharedIndex
-from transfer.shared.protocol import block_sums
+from transfer.tier import TierPlanner
 
-__all__ = ["OffloadCounters", "OffloadScheduler"]
+__all__ = ["POOL", "OffloadCounters", "OffloadScheduler"]
 
 
 class OffloadScheduler(LoadPlanner):
-    """Plans the CPU tier's loads and stores for one engine (see module doc).
+    """Plans the pool's and the tiers' loads and stores for one engine (see module doc).
 
     `num_slots`: blocks in each worker's host pool; `num_workers`: workers that must report each
     job (every rank of every parallel group); `policy`: the index eviction policy ("lru", "arc");
-    `index`: a shared pool's index in place of a private BlockIndex (num_slots, policy unused).
+    `index`: a shared pool's index in place of a private BlockIndex (num_slots, policy unused);
+    `tiers`: the tiers below the pool, asked in this order.
     """
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
-                 policy: str = "lru", *, remote: bool = False, remote_only: bool = False,
-                 disk: DiskPlanner | None = None, index: SharedIndex | None = None,
+                 policy: str = "lru", *, tiers: Sequence[TierPlanner] = (),
+                 index: PoolIndex | None = None,
                  groups: Sequence[CacheGroup] = (CacheGroup(),), null_block: int = 0) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -76,10 +73,14 @@ class OffloadScheduler(LoadPlanner):
                 raise ValueError(f"a sliding window is a positive int, got {group.window!r}")
             if group.state and group.window is not None:
                 raise ValueError(f"a state group has no window, got {group!r}")
-        if len(groups) > 1 and (remote or remote_only):
-            # The store answers a lookup with a count of leading keys; a state group keeps
-            # states only where steps ended, so several groups need an answer per key.
-            raise ValueError("a remote store with several KV cache groups is not supported")
+        if len({tier.name for tier in tiers}) != len(tiers):
+            raise ValueError(f"tiers need distinct names, got {[t.name for t in tiers]}")
+        for tier in tiers:
+            if len(groups) > 1 and not tier.answers_per_key:
+                # A tier answering a count of leading keys cannot serve several groups: a state
+                # group keeps states only where steps ended, so they need an answer per key.
+                raise ValueError(f"tier {tier.name!r} with {len(groups)} KV cache groups is not "
+                                 f"supported (it answers leading counts only)")
         self.groups = tuple(groups)
         self.null_block = null_block  # the engine's placeholder for a freed block (vLLM: 0)
         self._windowed: set[int] = set()  # store jobs with a `leaves_at`
@@ -87,23 +88,21 @@ class OffloadScheduler(LoadPlanner):
         self.block_size = block_size
         self.num_workers = num_workers
         self.index = index or BlockIndex(namespace, num_slots, policy)
-        self.checked = index is not None  # a shared pool: blocks carry checksums
-        # remote: jobs carry keys (write-through puts, fetches); remote_only: the pool is only
-        # staging, every key leaves the index once its job is done.
-        self.remote = remote or remote_only
-        self.remote_only = remote_only
-        self.disk = disk
+        self.checked = self.index.checked  # blocks carry checksums
+        self.tiers = tuple(tiers)
+        # the pool only stages a tier's blocks: a block leaves it once written there
+        self.staging = any(tier.pool_stages for tier in self.tiers)
+        self._by_name = {tier.name: tier for tier in self.tiers}
         self._requests: dict[str, RequestState] = {}
         self._lookups = {}  # request -> its last lookup
         self._jobs = {}
-        # Write-through: store job -> its put (every worker reports one per remote store job,
-        # a failed copy included); the keys stay pinned like a load meanwhile, so no new store
-        # reuses their slots while zmq reads them.
-        self._puts: dict[int, Put] = {}
+        self._writes = {}  # tier write id -> its Write (pool keys pinned until it is done)
+        self._bad: dict[int, list[bytes]] = {}  # tier op -> keys that failed there so far
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
         self._evictions_seen = 0
+        self._closing = False
 
     # ---- store planning (lookups and loads: loads.py) --------------------------------------
 
@@ -151,7 +150,7 @@ class OffloadScheduler(LoadPlanner):
         plans = self.index.prepare_stores([list(position) for _, _, position, _ in wanted])
         for (req_id, state, position, leaves_at), plan in zip(wanted, plans, strict=True):
             self._counters.unplaced_blocks += len(plan.not_placed)
-            self._spill_evicted(plan)
+            self._write_evicted(plan)
             if not plan.keys:
                 continue
             first_block = min(position[k][1] for k in plan.keys)
@@ -159,12 +158,9 @@ class OffloadScheduler(LoadPlanner):
             if leaves_at is not None:
                 self._jobs[job_id].leaves_at = leaves_at
                 self._windowed.add(job_id)
-            if self.remote:
-                self._puts[job_id] = Put(list(plan.keys), self.num_workers, self.index.epoch)
             self._step.stores.append(TransferJob(job_id, req_id,
                                                  tuple(position[k][0] for k in plan.keys),
                                                  tuple(plan.slots),
-                                                 tuple(plan.keys) if self.remote else (),
                                                  pool=self.index.segment,
                                                  checked=tuple(plan.keys) if self.checked
                                                  else ()))
@@ -201,6 +197,8 @@ class OffloadScheduler(LoadPlanner):
         a load is never held: vLLM frees it when the load finishes. `block_ids`: what the engine
         keeps (its stores in flight that read other blocks are flushed by `flush_windows`)."""
         self._lookups.pop(req_id, None)
+        for tier in self.tiers:
+            tier.forget(req_id)
         state = self._requests.get(req_id)
         if state is None:
             state = self._requests[req_id] = RequestState()  # its stores all come now
@@ -231,11 +229,22 @@ class OffloadScheduler(LoadPlanner):
         self._counters.store_bytes += report.store_bytes
         self._counters.store_seconds += report.store_seconds
         self._counters.checksum_failures += report.checksum_failures
+        for tier, counts in report.tiers.items():
+            self._counters.add(tier, counts)
         for job_id, ranks in report.sums.items():
             if job_id in self._jobs:
                 self._jobs[job_id].sums.update(ranks)
-        if self.disk is not None and (unpin := self.disk.apply(report, self.index.epoch)):
-            self.index.complete_load(unpin)  # written through: the pool may evict them now
+        for op_id, keys in report.bad.items():
+            if op_id in self._jobs or op_id in self._writes:
+                self._bad.setdefault(op_id, []).extend(keys)
+        for write_id, count in report.written.items():
+            write = self._writes.get(write_id)
+            if write is None or not 0 < count <= write.pending:
+                raise ValueError(f"write report of {count} worker(s) for op {write_id!r}, which "
+                                 f"{'waits for ' + str(write.pending) if write else 'is unknown'}")
+            write.pending -= count
+            if write.pending == 0:
+                self._finish_write(write_id)
         for counts, failed in ((report.done, False), (report.failed, True)):
             for job_id, count in counts.items():
                 job = self._jobs.get(job_id)
@@ -247,23 +256,15 @@ class OffloadScheduler(LoadPlanner):
         for job_id in {**report.done, **report.failed}:
             if self._jobs[job_id].pending == 0:
                 self._finish(job_id)
-        for job_id, count in report.put.items():
-            put = self._puts.get(job_id)
-            if put is None or count > put.pending:
-                raise ValueError(f"put report of {count} worker(s) for job {job_id!r}, which "
-                                 f"{'waits for ' + str(put.pending) if put else 'is unknown'}")
-            put.pending -= count
-            self._settle_put(job_id)
 
-    def _settle_put(self, job_id: int) -> None:
-        put = self._puts[job_id]
-        if not put.finished or put.pending:
-            return
-        del self._puts[job_id]
-        if put.pinned and put.epoch == self.index.epoch:
-            self.index.complete_load(put.keys)
-            if self.remote_only:  # the store has them; the pool was staging
-                self.index.discard(put.keys)
+    def _finish_write(self, write_id: int) -> None:
+        write = self._writes.pop(write_id)
+        tier = self._by_name[write.tier]
+        tier.complete_write(write_id, self._bad.pop(write_id, []))
+        if write.pinned and write.epoch == self.index.epoch:  # else they went with the lease
+            self.index.complete_load(write.pinned)  # the pool may evict them now
+            if tier.pool_stages:  # the tier has them; the pool was staging
+                self.index.discard(write.pinned)
 
     def _finish(self, job_id: int) -> None:
         job = self._jobs.pop(job_id)
@@ -277,24 +278,19 @@ class OffloadScheduler(LoadPlanner):
             elif live:
                 self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
-            if not job.failed and live and self.disk is not None and self.disk.write_through:
-                self._write_through(job)
-            put = self._puts.get(job_id)
-            if put is not None:
-                if not job.failed and live:  # readable at once, pinned until every put is done
-                    put.pinned = self.index.prepare_load(job.keys) is not None
-                put.finished = True
-                self._settle_put(job_id)
+            if not job.failed and live:
+                self._write_stored(job)
         else:
+            fetched = [key for _, keys in job.fetches for key in keys]
             if live:
                 self.index.complete_load(job.keys)
-                if job.fetch_keys and self.checked and not job.failed:
-                    self._commit(job.fetch_keys, job.sums, live)
-                elif job.fetch_keys:
-                    self.index.complete_store(job.fetch_keys,
-                                              not job.failed and not self.remote_only)
-            if job.disk_keys:
-                self.disk.finish_load(job_id, job.disk_keys)
+                if fetched and self.checked and not job.failed:
+                    self._commit(fetched, job.sums, live)
+                elif fetched:
+                    self.index.complete_store(fetched, not job.failed and not self.staging)
+            bad = self._bad.pop(job_id, [])
+            for name, keys in job.fetches:
+                self._by_name[name].complete_fetch(job_id, keys, [k for k in bad if k in keys])
             if job.failed:
                 # The slots may hold bad bytes: drop the keys so the recomputed blocks are
                 # stored again, and store this request's blocks again from the failed load on.
@@ -304,19 +300,24 @@ class OffloadScheduler(LoadPlanner):
                 state.stored_upto = min(state.stored_upto, job.start_block)
         self._forget_if_idle(job.req_id)
 
-    def _write_through(self, job: Job) -> None:
-        """A stored block goes to disk too, pinned in the pool while written (a shared pool's
-        with the checksums it was committed with; one another engine evicted since is not)."""
-        plan = self.index.prepare_load(job.keys)
-        if plan is None:
-            return
+    def _write_stored(self, job: Job) -> None:
+        """A stored block goes to every tier that writes stored blocks, pinned in the pool while
+        written (a checked pool's with the checksums it was committed with; one another engine
+        evicted since is not)."""
         sums = None
-        if self.checked:  # the xxh3s: what disk footers carry
+        if self.checked:  # the xxh3s: what a tier may keep to check the bytes it returns
             sums = [list(s) for s in zip(*(job.sums[r][:len(job.keys)]
                                            for r in range(self.num_workers)), strict=True)]
-        written = self._spill(job.keys, plan.slots, pinned=True, sums=sums)
-        if len(written) < len(job.keys):
-            self.index.complete_load([k for k in job.keys if k not in written])
+        for tier in self.tiers:
+            if not tier.writes_stored:
+                continue
+            plan = self.index.prepare_load(job.keys)
+            if plan is None:
+                return
+            written = self._write(tier, job.keys, plan.slots, evicted=False, pinned=True,
+                                  sums=sums)
+            if len(written) < len(job.keys):
+                self.index.complete_load([k for k in job.keys if k not in written])
 
     def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;
@@ -339,28 +340,33 @@ class OffloadScheduler(LoadPlanner):
     def reset(self) -> None:
         """Forget every stored block (jobs in flight finish; their slots drain)."""
         self.index.clear()
-        if self.disk is not None:  # and on disk, or a restart would find them again
-            self.disk.index.clear()
-            self._step.erase_disk = True
+        for tier in self.tiers:  # and below, or a restart would find them again
+            if tier.reset():
+                self._step.erase.append(tier.name)
         for state in self._requests.values():
             state.stored_upto = 0
 
+    def tier(self, name: str) -> TierPlanner:
+        """The planner of tier `name`."""
+        return self._by_name[name]
+
     def has_jobs(self) -> bool:
         """Jobs planned or in flight: the engine must keep stepping to complete them."""
-        return bool(self._jobs or self._puts or (self.disk and self.disk.spills_in_flight))
-
-    def count_lookup_failures(self, count: int) -> None:
-        self._counters.remote_lookup_failures += count
+        return bool(self._jobs or self._writes)
 
     def take_counters(self) -> OffloadCounters:
         """Counters since the last call (jobs_in_flight is the current value)."""
         evictions = self.index.stats.evictions
         counters, self._counters = self._counters, OffloadCounters()
         counters.evictions = evictions - self._evictions_seen
-        counters.jobs_in_flight = len(self._jobs) + len(self._puts)
-        if self.disk is not None:
-            for name, value in asdict(self.disk.take_counters()).items():
-                setattr(counters, f"disk_{name}", value)
-            counters.jobs_in_flight += self.disk.spills_in_flight
+        counters.jobs_in_flight = len(self._jobs) + len(self._writes)
+        for tier in self.tiers:
+            counters.add(tier.name, tier.take_counters())
         self._evictions_seen = evictions
         return counters
+
+    def close(self) -> None:
+        """Close the tiers' planners (their connections and threads), once."""
+        tiers, self._closing = ([] if self._closing else self.tiers), True
+        for tier in tiers:
+            tier.close()

@@ -8,7 +8,7 @@ hands over, finds what lies behind them (kvconnector.layout.recognize) and moves
   fallback, one copy per layer (per run of a page) per block, into the same slot format.
 `mode` and `reason` say which and why.
 
-With a shared pool (`shared`, transfer/shared/): no private pool; the worker maps the segment
+With a shared pool (`mapping`, transfer/shared/): no private pool; the worker maps the segment
 its jobs name (at the first job, and again when a restarted daemon names a new one, after
 finishing every job on the old mapping) and copies into its part of each slot. Its blocks carry
 checksums (pool_checks.py): a store hashes this worker's part once copied and reports it; a load
@@ -18,36 +18,42 @@ Per step (see StepJobs): `flush` before the forward (stores whose blocks a preem
 `start_loads` after the forward launch, `submit_stores` after the forward (a store is ordered after
 the work the compute stream had queued), then `poll` and `take_report`.
 
-With a disk tier (`attach_disk`, worker_disk.py): the step's spills start first, on the disk
-threads; a store or a load's read whose pool slots a spill still reads out waits for it here,
-never on a lane. Below a shared pool the disk I/O moves this worker's part of each slot, on the
-mapping of the spill's segment.
-
-With a remote store (`attach_remote`, worker_remote.py): a load's blocks fetched from the store
-(or read from disk) land in its reserved slots before its copy, which then loads the head that
-arrived; a store's blocks are put to the store once copied (write-through). Every load waits
-there first, in `start_loads`, so a load that cannot run fails at the next `poll`.
+The tiers below the pool (`attach`, transfer.tier.TierWorker) run the step's writes first; a
+store or a load's fetch whose pool slots a write still reads out waits for it here, never on a
+lane. A load with fetches waits for them (each tier fills its part of the load's last slots),
+then copies the head of its slots that holds good blocks; the rest of its blocks are load errors
+(vLLM recomputes them). A load that cannot run fails at the next `poll`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from kvconnector.layout.descriptor import KVLayout
 from kvconnector.layout.recognize import BLOCK_MAJOR_HINT, recognize
-from kvconnector.offload.jobs import DiskWrite, JobReport, StepJobs, TransferEvents, TransferJob
+from kvconnector.offload.jobs import JobReport, StepJobs, TransferEvents, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
-from kvconnector.offload.remote_tier import RemoteFetcher
-from kvconnector.offload.worker_disk import WorkerDisk
-from kvconnector.offload.worker_remote import WorkerRemote
 from transfer.copy.base import CopyBackend
-from transfer.disk.io import DiskIO
-from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
-from transfer.engine import TransferResult as CopyResult
+from transfer.engine import DEFAULT_MAX_STORE_BYTES, CopyResult, TransferEngine
 from transfer.pool import HostPool
-from transfer.shared.mapping import SharedPart
+from transfer.tier import OpResult, TierOp, TierWorker
+
+
+class PoolPart(Protocol):
+    """This worker's part of a pool other processes map too (transfer/shared/mapping.py): bytes
+    [offset, offset + block bytes) of every slot of pool `name`, whose `segment`s it maps;
+    `rank`: its place in each block's per-rank checksums; `room`: the bytes from `offset` that are
+    this worker's (0: the block's only)."""
+
+    name: str
+    offset: int
+    rank: int
+    room: int
+
+    def map(self, segment: str, pinned: bool | None) -> HostPool: ...
+
 
 BLOCK_MAJOR = "block-major"
 PER_LAYER = "per-layer"
@@ -60,15 +66,15 @@ class OffloadWorker:
     gets); `num_slots`: host pool blocks, the scheduler's index size; `cache_groups` and
     `num_blocks` as for `recognize`; `backend`: the copy backend (default: make_backend("auto"):
     on CUDA batched DMA with small-page loads on 12 SMs, threads on CPU); `pinned`: pin the
-    pool (default: when CUDA is available); `shared`: this worker's part of a shared pool's slots
-    (then `num_slots` is unused: the daemon's segment says).
+    pool (default: when CUDA is available); `mapping`: this worker's part of a shared pool's
+    slots (then `num_slots` is unused: the daemon's segment says).
     """
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], num_slots: int, *,
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_slots: int, *,
                  cache_groups: Sequence[Sequence[str]] | None = None,
                  num_blocks: int | None = None, backend: CopyBackend | None = None,
                  max_store_bytes: int = DEFAULT_MAX_STORE_BYTES,
-                 pinned: bool | None = None, shared: SharedPart | None = None) -> None:
+                 pinned: bool | None = None, mapping: PoolPart | None = None) -> None:
         found = recognize(kv_caches, cache_groups, num_blocks)
         if not found.layers:
             raise ValueError(f"no KV cache layer to offload: {found.reason}")
@@ -81,51 +87,54 @@ class OffloadWorker:
         self.num_blocks = found.num_blocks
         self.block_bytes = sum(int(rows.shape[1]) for rows in gpu_rows)
         self.copies_per_block = len(gpu_rows)
-        self.shared = shared
+        self.mapping = mapping
         self._gpu_rows, self._backend, self._pinned = gpu_rows, backend, pinned
         self._max_store_bytes = max_store_bytes
         self.pool: HostPool | None = None
         self.engine: TransferEngine | None = None
+        self._segment = ""  # the pool segment mapped now
         self._stash = TransferEvents()  # events of a mapping let go, for the next poll
         self._loads: dict[int, tuple[str, tuple[int, ...]]] = {}  # job -> request, GPU blocks
         self._stores: dict[int, str] = {}  # job -> request
         self._held: set[str] = set()
         self._report = JobReport()
-        self.remote = WorkerRemote()  # loads' reads and gets; a store by attach_remote
-        self.disk: WorkerDisk | None = None  # set by attach_disk
-        self._waiting: list[tuple[bool, TransferJob]] = []  # (is store, job) behind spills
+        self.tiers: dict[str, TierWorker] = {}  # the tiers below the pool, by name
+        self.failures: dict[str, int] = {}  # per tier: ops that failed or could not run
+        self._writing: dict[int, tuple[TierOp, frozenset[int]]] = {}  # write id -> op, slots
+        # load -> (job, per tier its fetch's result, None while running)
+        self._fetching: dict[int, tuple[TransferJob, dict[str, OpResult | None]]] = {}
+        self._doomed: list[TransferJob] = []  # loads that fail at the next poll
+        self._waiting: list[tuple[bool, TransferJob]] = []  # (is store, job) behind writes
         self._partial: dict[int, tuple[int, ...]] = {}  # load job -> GPU blocks not fetched
-        self.checks = None if shared is None else PoolChecks(shared.rank, gpu_rows[0].device)
+        self.checks = None if mapping is None else PoolChecks(mapping.rank, gpu_rows[0].device)
         self._rows: torch.Tensor | None = None  # this worker's part of every slot
         self._copied: list[CopyResult] = []  # loads copied, their checks still running
-        if shared is None:
-            self._bind(HostPool.create(KVLayout.opaque(self.block_bytes), num_slots=num_slots,
-                                       pinned=pinned))
+        if mapping is None:
+            self._bind(HostPool.create(num_slots, self.block_bytes, pinned=pinned))
 
-    def attach_remote(self, make_fetcher: Callable[[torch.Tensor], RemoteFetcher]) -> None:
-        """Use a remote store as the second tier; `make_fetcher(rows)` makes its client over
-        this worker's (num_slots, block_bytes) slot rows (again for each shared mapping)."""
-        self.remote.attach(make_fetcher, self._rows)
-
-    def attach_disk(self, io: DiskIO) -> None:
-        """Use a disk tier below the pool: `io` moves blocks between this worker's part of the
-        pool's slots (bound here, again for each shared mapping) and this rank's slab."""
-        self.disk = WorkerDisk(io, 0 if self.shared is None else self.shared.rank)
+    def attach(self, tier: TierWorker) -> None:
+        """Use `tier` below the pool: its I/O moves blocks between this worker's part of the
+        pool's slots (bound here, again for each new mapping) and the tier."""
+        if tier.name in self.tiers:
+            raise ValueError(f"tier {tier.name!r} is attached already")
+        self.tiers[tier.name] = tier
+        self.failures[tier.name] = 0
         if self._rows is not None:
-            self.disk.rebind(self._rows, self._disk_room())
+            tier.bind(self._rows, self._room())
 
-    def _disk_room(self) -> int | None:
-        """Bytes of each slot from this worker's part on that a disk read may fill (None: the
+    def _room(self) -> int | None:
+        """Bytes of each slot from this worker's part on that a fetch may fill (None: the
         whole slot, a private pool's)."""
-        return None if self.shared is None else self.shared.room or self.block_bytes
+        return None if self.mapping is None else self.mapping.room or self.block_bytes
 
     def describe(self, advise: bool = True) -> str:
         """One line: how blocks move and why; without `advise`, no advice to ask for a
         block-outermost layout (for a caller that did, or knows the engine refuses them)."""
         copies = "1 copy" if self.copies_per_block == 1 else f"{self.copies_per_block} copies"
-        if self.shared is not None:
-            where = (f"shared pool {self.shared.name!r}, bytes [{self.shared.offset}, "
-                     f"{self.shared.offset + self.block_bytes}) of each slot")
+        if self.mapping is not None:
+            where = (f"pool {self.mapping.name!r} mapped with other engines, bytes "
+                     f"[{self.mapping.offset}, "
+                     f"{self.mapping.offset + self.block_bytes}) of each slot")
         else:
             memory = "pinned" if self.pool.pinned else "pageable"
             where = f"{self.pool.num_slots} {memory} host slots of {self.block_bytes} B"
@@ -137,34 +146,33 @@ class OffloadWorker:
 
     # ---- the pool's mapping ------------------------------------------------------------------
 
-    def _bind(self, pool: HostPool) -> None:
-        offset = 0 if self.shared is None else self.shared.offset
+    def _bind(self, pool: HostPool, segment: str = "") -> None:
+        offset = 0 if self.mapping is None else self.mapping.offset
         try:
             engine = TransferEngine(pool.segments(self._gpu_rows, offset, self.block_bytes),
                                     self._backend, max_store_bytes=self._max_store_bytes)
         except BaseException:
             pool.close()
             raise
-        self.pool, self.engine = pool, engine
+        self.pool, self.engine, self._segment = pool, engine, segment
         self._rows = pool.rows(offset, self.block_bytes)
         if self.checks is not None:
             self.checks.bind(engine)
-        if self.disk is not None:
-            self.disk.rebind(self._rows, self._disk_room())
-        self.remote.bind(self._rows)
+        for tier in self.tiers.values():
+            tier.bind(self._rows, self._room())
 
-    def _mapped(self, job: TransferJob | DiskWrite) -> bool:
-        """Whether the slots of `job` are mapped here, mapping its shared segment if needed."""
-        if self.shared is None or (self.pool is not None and job.pool == self.pool.shared_name):
+    def _mapped(self, segment: str) -> bool:
+        """Whether the slots of pool `segment` are mapped here, mapping it if needed."""
+        if self.mapping is None or (self.pool is not None and segment == self._segment):
             return True
         # Mapped at a job, inside vLLM's step (torch.inference_mode): tensors and views made
         # there would be inference tensors, which the copy lanes' threads may not write.
         with torch.inference_mode(False):
-            return self._remap(job)
+            return self._remap(segment)
 
-    def _remap(self, job: TransferJob | DiskWrite) -> bool:
+    def _remap(self, segment: str) -> bool:
         try:
-            pool = self.shared.map(job.pool, self._pinned)
+            pool = self.mapping.map(segment, self._pinned)
         except ValueError:
             return False  # the daemon that planned it is gone with its segment
         if self.engine is not None:  # finish everything on the old mapping, then let it go
@@ -172,47 +180,67 @@ class OffloadWorker:
                 self.drain()
                 self._stash.update(self.poll())
             self.engine.close()
-            self.remote.close()
+            for tier in self.tiers.values():
+                tier.release()
             self.pool.close()
-        self._bind(pool)
+        self._bind(pool, segment)
         return True
 
     # ---- the step ----------------------------------------------------------------------------
 
     def flush(self, step: StepJobs) -> None:
         """Before the forward: wait for the stores reading blocks a preemption freed (and for
-        the spills such a store waits behind)."""
+        the writes such a store waits behind)."""
         if not step.flush or self.engine is None:
             return
         flush = set(step.flush)
         if any(is_store and job.job_id in flush for is_store, job in self._waiting):
-            self.disk.wait(spills_only=True)
-            self._poll_disk()
+            self._wait_writes()
+            self._poll_tiers()
         self.engine.wait(step.flush)
 
+    def _wait_writes(self) -> None:
+        for name, tier in self.tiers.items():
+            tier.wait([op_id for op_id, (op, _) in self._writing.items() if op.tier == name])
+
     def start_loads(self, step: StepJobs) -> None:
-        if step.erase_disk and self.disk is not None:
-            self.disk.erase()  # reset_cache: rare, and writes in flight must not outlive it
-        for write in step.spills:
-            if self.disk is None:
-                raise RuntimeError(f"spill job {write.job_id} without a disk tier attached")
-            if self._mapped(write):
-                self.disk.spill(write)
+        for name in step.erase:  # reset_cache: rare, and writes in flight must not outlive it
+            if name in self.tiers:
+                self.tiers[name].erase()
+        for op in step.writes:
+            tier = self.tiers.get(op.tier)
+            if tier is None:
+                raise RuntimeError(f"write {op.op_id} for tier {op.tier!r}, which is not "
+                                   f"attached (attached: {sorted(self.tiers)})")
+            if self._mapped(op.segment):
+                # A refused write still reaches get_finished, as failed: registered first.
+                self._writing[op.op_id] = (op, frozenset(op.slots))
+                tier.submit(op)
             else:  # its shared segment is gone with its daemon: nothing to write
-                self.disk.fail_spill(write, self._report)
+                self._report.written[op.op_id] = 1
+                self._report.bad[op.op_id] = list(op.keys)
         for job in step.loads:
-            if not self._mapped(job):  # its shared segment is gone: a failed load
-                self.remote.fail_load(job)
-            elif self._behind_spills(job.fetch_slots):
+            if not self._mapped(job.pool):  # its shared segment is gone: a failed load
+                self._doomed.append(job)
+            elif self._behind_writes(job.fetch_slots):
                 self._waiting.append((False, job))
             else:
                 self._start_load(job)
 
-    def _behind_spills(self, slots: Sequence[int]) -> bool:
-        return self.disk is not None and self.disk.behind(slots)
+    def _behind_writes(self, slots: Sequence[int]) -> bool:
+        """Whether a write in flight still reads one of `slots`."""
+        return any(not taken.isdisjoint(slots) for _, taken in self._writing.values())
 
     def _start_load(self, job: TransferJob) -> None:
-        if not self.remote.start_load(job, self.disk):  # else read / fetched first (see poll)
+        """Fetch the load's blocks from below first (copied once all are in, see poll), or
+        copy it now."""
+        if job.fail or any(op.tier not in self.tiers for op in job.fetches):
+            self._doomed.append(job)
+        elif job.fetches:
+            for op in job.fetches:
+                self.tiers[op.tier].submit(op)
+            self._fetching[job.job_id] = (job, dict.fromkeys(op.tier for op in job.fetches))
+        else:
             self._submit_load(job, len(job.slots))
 
     def _submit_load(self, job: TransferJob, head: int) -> None:
@@ -232,11 +260,11 @@ class OffloadWorker:
         """After the forward: each store copies after the work queued on the compute stream.
         A store the engine drops under pressure is reported failed, like a failed copy."""
         for job in step.stores:
-            if not self._mapped(job):  # its shared segment is gone: a failed store
+            if not self._mapped(job.pool):  # its shared segment is gone: a failed store
                 self._report.failed[job.job_id] = 1
                 continue
             self._stores[job.job_id] = job.req_id
-            if self._behind_spills(job.slots):
+            if self._behind_writes(job.slots):
                 self._waiting.append((True, job))
             else:
                 self._submit_store(job)
@@ -248,16 +276,26 @@ class OffloadWorker:
                                  sums=self.checks is not None and self.checks.sums_store(job))
         if self.checks is not None:  # hashed once copied
             self.checks.store_submitted(job)
-        self.remote.store_submitted(job)
 
-    def _poll_disk(self) -> None:
-        """Finished spills -> reported (with their failed keys); then what waited behind them."""
-        if self.disk is None:
-            return
-        self.disk.collect(self._report)
+    def _poll_tiers(self) -> None:
+        """Finished tier ops: writes reported (with their failed keys), fetches kept for their
+        loads; then what waited behind the writes starts."""
+        report = self._report
+        for name, tier in self.tiers.items():
+            for result in tier.get_finished():
+                if not all(result.ok):
+                    self.failures[name] += 1
+                if result.op_id in self._writing:
+                    op, _ = self._writing.pop(result.op_id)
+                    report.written[op.op_id] = 1
+                    bad = [k for k, ok in zip(op.keys, result.ok, strict=True) if not ok]
+                    if bad:
+                        report.bad[op.op_id] = bad
+                elif result.op_id in self._fetching:
+                    self._fetching[result.op_id][1][name] = result
         waiting, self._waiting = self._waiting, []
         for is_store, job in waiting:
-            if self._behind_spills(job.slots if is_store else job.fetch_slots):
+            if self._behind_writes(job.slots if is_store else job.fetch_slots):
                 self._waiting.append((is_store, job))
             elif is_store:
                 self._submit_store(job)
@@ -268,7 +306,7 @@ class OffloadWorker:
         """Collect finished jobs (never blocks)."""
         events, self._stash = self._stash, TransferEvents()
         report = self._report
-        self._poll_disk()
+        self._poll_tiers()
         self._collect_copies()
         copied, self._copied = self._copied, []
         for result in copied:
@@ -288,7 +326,6 @@ class OffloadWorker:
             else:
                 events.finished_loads.add(req_id)
         self._poll_fetches(events)
-        self.remote.collect(report)  # puts done
         for job_id in [] if self.checks is None else self.checks.report_hashed(report):
             del self._stores[job_id]
         storing = set(self._stores.values())
@@ -314,20 +351,42 @@ class OffloadWorker:
         if self.checks is None or not self.checks.store_copied(result, self._rows):
             (report.done if result.ok else report.failed)[job_id] = 1
             del self._stores[job_id]
-        self.remote.store_copied(job_id, result.ok, report)  # write-through
         report.store_bytes += result.nbytes
         report.store_seconds += result.seconds
 
     def _poll_fetches(self, events: TransferEvents) -> None:
-        """Loads whose reads and gets are done copy the head that arrived; the rest of their
-        blocks are load errors (vLLM recomputes them); a load with none of them here fails."""
-        for job, head, sums in self.remote.fetched(self.disk, self._report):
+        """Loads whose fetches are all done copy the head that arrived (the pool's blocks, then
+        the leading good fetched ones, tier by tier); the rest of their blocks are load errors
+        (vLLM recomputes them; 0.32 may also look the head up again: it is in the pool, and
+        loading it here costs one more copy); a load with none of them here fails."""
+        doomed, self._doomed = self._doomed, []
+        for job in doomed:
+            for op in job.fetches:
+                if op.tier in self.failures:
+                    self.failures[op.tier] += 1
+            self._report.failed[job.job_id] = 1
+            events.load_failed(job.req_id, job.block_ids)
+        for job_id, (job, results) in list(self._fetching.items()):
+            if None in results.values():
+                continue
+            del self._fetching[job_id]
+            head = len(job.slots) - len(job.fetch_keys)
+            whole, sums = True, []
+            for op in job.fetches:
+                result = results[op.tier]
+                if whole:
+                    head += result.leading_ok
+                    whole = result.leading_ok == len(op.keys)
+                bad = [k for k, ok in zip(op.keys, result.ok, strict=True) if not ok]
+                if bad:
+                    self._report.bad.setdefault(job_id, []).extend(bad)
+                sums += list(result.sums) or [None] * len(op.keys)
             if head == 0:
-                self._report.failed[job.job_id] = 1
+                self._report.failed[job_id] = 1
                 events.load_failed(job.req_id, job.block_ids)
                 continue
             if head < len(job.block_ids):
-                self._partial[job.job_id] = job.block_ids[head:]
+                self._partial[job_id] = job.block_ids[head:]
             elif self.checks is not None:  # all here: they stay in the pool, with checksums
                 self.checks.fetched(job, self._rows, sums)
             self._submit_load(job, head)
@@ -335,20 +394,20 @@ class OffloadWorker:
     def take_report(self) -> JobReport:
         """Jobs finished here since the last call (for the scheduler, summed over workers)."""
         report, self._report = self._report, JobReport()
-        if self.disk is not None:
-            self.disk.count(report)
+        for name, tier in self.tiers.items():
+            report.count(name, tier.take_counters())
         return report
 
     # ---- lifetime ----------------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Block until every copy and store call in flight is done (results still come from
+        """Block until every copy and tier op in flight is done (results still come from
         `poll`; a fetched load starts there)."""
-        if self.disk is not None:
-            self.disk.wait()
-            self._poll_disk()  # what waited behind spills starts
-            self.disk.wait()
-        self.remote.wait()
+        for tier in self.tiers.values():
+            tier.wait()
+        self._poll_tiers()  # what waited behind writes starts
+        for tier in self.tiers.values():
+            tier.wait()
         if self.engine is not None:
             if self.checks is not None:
                 self.checks.loads.submit_all(self.engine)
@@ -359,24 +418,17 @@ class OffloadWorker:
 
     @property
     def jobs_in_flight(self) -> int:  # a partly fetched load is in _loads until its copy ends
-        return (len(self._loads) + len(self._stores) + self.remote.in_flight
-                + (len(self.disk.spilling) if self.disk else 0)
-                + sum(not is_store for is_store, _ in self._waiting))
-
-    @property
-    def remote_failures(self) -> int:
-        """Jobs whose get or put failed, or that could not run."""
-        return self.remote.failures
+        return (len(self._loads) + len(self._stores) + len(self._fetching) + len(self._doomed)
+                + len(self._writing) + sum(not is_store for is_store, _ in self._waiting))
 
     def close(self) -> None:
-        """Finish the copies and store calls in flight, then release the lanes, the store
-        connection and the pool."""
+        """Finish the copies and tier ops in flight, then release the lanes, the tiers and the
+        pool."""
         self.drain()
         if self.engine is not None:
             self.engine.close()
-        self.remote.close()
-        if self.disk is not None:
-            self.disk.close()
+        for tier in self.tiers.values():
+            tier.close()
         if self.checks is not None:
             self.checks.close()
         if self.pool is not None:

@@ -8,18 +8,16 @@ A thin layer over two vLLM-free cores: kvconnector.offload.scheduler (role SCHED
 blocks to load and store) and kvconnector.offload.worker (role WORKER, one per GPU: the pinned
 pool and the copies). Extra-config keys: see `ConnectorOptions` and examples/vllm_serve.md.
 
-With `remote_url`, a remote block store (transfer.remote) is the second tier, or the only one
-with `remote_only` (kvconnector.offload.remote_tier): asynchronous lookups with a deadline past the
-CPU tier's hits, fetches into pool slots, write-through of every stored block.
-
-With `disk_path` and `disk_bytes`, a local drive is a tier between the pool and the remote store
-(kvconnector/offload/disk_tier.py, transfer/disk): O_DIRECT slabs, one per rank, found again
-after a restart; its hits are reported as CacheHitSource.DISK.
+Below the pool, every registered tier (transfer/registry.py) whose options are given: the disk
+(`disk_path`, transfer/disk), a remote store or a Redis Cluster (`remote_url`, transfer/remote).
+The adapter makes each tier's scheduler and worker parts from its settings and hands them to
+the cores, which drive them through one contract (transfer/tier.py); its hits are reported as
+the CacheHitSource the tier names.
 
 With `pool`, the host's shared pool (transfer.shared, `kvconnector pool serve`) replaces the
 private one: the scheduler's index is the daemon's, each worker maps the daemon's segment and
-copies into its rank's part of each slot; the remote and disk tiers compose below it as below a
-private pool (the disk tier stays each engine's, each rank writing its part of the slots).
+copies into its rank's part of each slot; the tiers compose below it as below a private pool
+(the disk tier stays each engine's, each rank writing its part of the slots).
 
 Supported: KV cache groups of full attention (MLA included), sliding window attention and
 align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, vLLM 0.32 and
@@ -34,7 +32,7 @@ where steps ended.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,10 +55,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.offload.jobs import JobReport, StepJobs
-from kvconnector.offload.remote_tier import RemoteFetcher, RemoteLookups
-from kvconnector.offload.scheduler import OffloadScheduler
+from kvconnector.offload.scheduler import POOL, OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
-from kvconnector.vllm.groups import offloaded_spec, state_layers
+from kvconnector.vllm.groups import state_layers
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
     check_resolved,
@@ -68,14 +65,12 @@ from kvconnector.vllm.layout_choice import (
     layout_request,
     resolved_backends,
 )
-from kvconnector.vllm.namespace import disk_namespace, rank_namespace
 from kvconnector.vllm.options import ConnectorOptions
 from kvconnector.vllm.stats import OffloadPromMetrics, OffloadStats
-from kvconnector.vllm.tiers import disk_planner, plan_tiers
+from kvconnector.vllm.tiers import plan_tiers
 from transfer.copy.base import CopyBackend
 from transfer.copy.factory import make_backend
-from transfer.disk.io import DiskIO
-from transfer.disk.slab import SlabFile
+from transfer.registry import tier_spec
 from transfer.shared.client import SharedIndex
 from transfer.shared.mapping import SharedPart
 
@@ -127,23 +122,23 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Request] = {}
         self._load_errors: set[int] = set()
         self._pool_index: SharedIndex | None = None
-        self._remote_lookups: RemoteLookups | None = None
-        self._hit_split: dict[str, tuple[int, int, int]] = {}  # request -> tokens per tier
+        self._hit_split: dict[str, dict[str, int]] = {}  # request -> tokens per source
         if role == KVConnectorRole.SCHEDULER:
             tiers, world_size = self._tiers, vllm_config.parallel_config.world_size
-            remote = tiers.remote is not None
             index = self._pool_index = None
             if self.options.pool:
                 index = self._pool_index = SharedIndex(self.options.pool, tiers.namespace,
                                                        tiers.slot_bytes * world_size)
-            self._scheduler = OffloadScheduler(
-                tiers.namespace, index.num_slots if index else tiers.num_slots,
-                tiers.block_size, world_size, self.options.eviction, remote=remote,
-                remote_only=remote and tiers.remote.only,
-                disk=disk_planner(tiers, vllm_config, self.options.eviction),
-                index=index, groups=tiers.groups)
-            if tiers.remote is not None:
-                self._remote_lookups = RemoteLookups(tiers.remote, tiers.namespace.digest)
+            planners = tiers.planners(vllm_config, self.options.eviction)
+            try:
+                self._scheduler = OffloadScheduler(
+                    tiers.namespace, index.num_slots if index else tiers.num_slots,
+                    tiers.block_size, world_size, self.options.eviction, tiers=planners,
+                    index=index, groups=tiers.groups)
+            except BaseException:
+                for planner in planners:
+                    planner.close()
+                raise
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -190,22 +185,11 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 if not isinstance(g.kv_cache_spec, MambaSpec)],
             num_blocks=config.num_blocks, backend=self.copy_backend(device),
             max_store_bytes=self.options.max_store_bytes,
-            shared=None if not self.options.pool else SharedPart(
+            mapping=None if not self.options.pool else SharedPart(
                 self.options.pool, self._vllm_config.parallel_config.rank * tiers.slot_bytes,
                 self._vllm_config.parallel_config.rank, tiers.slot_bytes))
-        if tiers.remote is not None:
-            namespace, writes = rank_namespace(tiers.namespace, offloaded_spec(config),
-                                               self._vllm_config.parallel_config)
-            remote = tiers.remote
-            self._worker.attach_remote(lambda rows: RemoteFetcher(remote, namespace.digest, rows,
-                                                                  writes=writes))
-        if tiers.disk is not None:
-            parallel = self._vllm_config.parallel_config
-            digest = disk_namespace(tiers.namespace, parallel.rank,
-                                    parallel.tensor_parallel_size).digest
-            slab = SlabFile(tiers.disk.path, digest, self._worker.block_bytes,
-                            tiers.num_disk_slots)
-            self._worker.attach_disk(DiskIO(slab, None))  # bound to the pool's rows there
+        for part in tiers.workers(self._vllm_config, config, self._worker.block_bytes):
+            self._worker.attach(part)  # bound to the pool's rows there
         advise = advise_block_outermost(asked, backends, kv_dtype)
         how = self._worker.describe(advise)
         if len(config.kv_cache_groups) > 1:  # they share the buffers: one decision for all
@@ -277,9 +261,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._remote_lookups is not None:
-            self._remote_lookups.close()
-            self._remote_lookups = None
+        if self._scheduler is not None:
+            self._scheduler.close()  # the tiers' connections and threads
         if self._pool_index is not None:
             self._pool_index.close()  # the daemon releases what this engine still holds
             self._pool_index = None
@@ -297,36 +280,32 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         core = self._core()
+        # None = "ask again later": a tier's answer is in flight (a late or failed one is 0).
         hits = core.lookup(request.request_id, request.block_hashes, num_computed_tokens,
                            request.num_tokens)
-        candidates = core.remote_candidates(request.request_id)
-        if self._remote_lookups is not None and candidates:
-            # Past the CPU tier's hits, ask the store; None = "ask again later" while in
-            # flight; a late or failed answer is 0 (served from what the CPU tier has).
-            remote = self._remote_lookups.poll(request.request_id, candidates)
-            if remote is None:
-                return None, False
-            core.set_remote_hits(request.request_id, remote)
-            hits += remote * self._tiers.block_size
-        return hits, hits > 0
+        return hits, bool(hits)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         split = self._core().plan_load(request.request_id, request.block_hashes,
                                        blocks.get_block_ids(), num_external_tokens)
-        if split[1] or split[2]:  # for get_external_cache_hit_sources, which vLLM calls next
-            self._hit_split[request.request_id] = tuple(n * self._tiers.block_size for n in split)
+        if set(split) - {POOL}:  # for get_external_cache_hit_sources, which vLLM calls next
+            self._hit_split[request.request_id] = {
+                source: blocks * self._tiers.block_size for source, blocks in split.items()}
         elif num_external_tokens:  # a new plan from the host pool alone (the 0-token call
             self._hit_split.pop(request.request_id, None)  # after a load keeps the last)
 
     def get_external_cache_hit_sources(self, request: Request,
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         split = self._hit_split.get(request.request_id)
-        if split is None or sum(split) != num_external_tokens:
+        if split is None or sum(split.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        # vLLM 0.32 has no remote-store member: EXTERNAL_UNSPECIFIED is its "remote store".
-        sources = (CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.EXTERNAL_UNSPECIFIED)
-        return {source: tokens for source, tokens in zip(sources, split, strict=True) if tokens}
+        out: dict[CacheHitSource, int] = {}
+        for name, tokens in split.items():
+            source = CacheHitSource.HOST if name == POOL else \
+                CacheHitSource[tier_spec(name).hit_source]
+            out[source] = out.get(source, 0) + tokens
+        return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         core = self._core()
@@ -360,8 +339,6 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         (a sliding window group's freed ones are its null block)."""
         self._requests.pop(request.request_id, None)
         self._hit_split.pop(request.request_id, None)
-        if self._remote_lookups is not None:
-            self._remote_lookups.forget(request.request_id)
         # The last sampled token's KV is never computed; positions before it all are.
         ready = min(request.num_computed_tokens, request.num_tokens - 1)
         held = self._core().request_finished(request.request_id, request.block_hashes,
@@ -378,9 +355,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._scheduler is None:
             return None
-        if self._remote_lookups is not None:
-            self._scheduler.count_lookup_failures(self._remote_lookups.take_failures())
-        stats = OffloadStats(asdict(self._scheduler.take_counters()))
+        stats = OffloadStats(self._scheduler.take_counters().flat())
         return None if stats.is_empty() else stats
 
     @classmethod

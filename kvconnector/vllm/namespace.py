@@ -1,5 +1,6 @@
-"""What a vLLM engine's offloaded blocks are called: the namespace of an engine's slots, and the
-one each worker rank puts and gets under in a remote store."""
+"""What a vLLM engine's offloaded blocks are called: the namespace of an engine's slots, the one
+each worker rank's own blocks have, and the one it shares with the ranks that hold the same bytes
+(MLA)."""
 
 from __future__ import annotations
 
@@ -87,9 +88,10 @@ def rank_namespace(engine: Namespace, spec: FullAttentionSpec,
     return dataclasses.replace(engine, tp_rank=tp_rank, salt=salt), True
 
 
-def disk_namespace(engine: Namespace, rank: int, tp_size: int) -> Namespace:
-    """The namespace of rank `rank`'s disk slab: its TP rank and PP stage, as `rank_namespace`,
-    but never shared (each rank writes its own file, even where the bytes are the same)."""
+def own_namespace(engine: Namespace, rank: int, tp_size: int) -> Namespace:
+    """The namespace of rank `rank`'s own blocks (a disk slab's): its TP rank and PP stage, as
+    `rank_namespace`, but never shared (each rank writes its own, even where the bytes are the
+    same)."""
     tp_rank, pp_rank = rank % tp_size, rank // tp_size
     salt = engine.salt + (f"/pp{pp_rank}" if pp_rank else "")
     return dataclasses.replace(engine, tp_rank=tp_rank, salt=salt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvconnector.offload.scheduler import OffloadCounters
+from kvconnector.vllm.counters import counter_names
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,10 +27,10 @@ class OffloadStats(KVConnectorStats):
     goes out with the next counter change."""
 
     def __post_init__(self) -> None:
-        self.data = {**asdict(OffloadCounters()), **self.data}
+        self.data = {**counter_names(), **self.data}
 
     def reset(self) -> None:
-        self.data = asdict(OffloadCounters())
+        self.data = counter_names()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
@@ -40,17 +40,13 @@ class OffloadStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         asked = d["hit_tokens"] + d["miss_tokens"]
+        rates = {f"{name[:-6]}_GBps": round(d[name] / d[f"{name[:-6]}_seconds"] / 1e9, 2)
+                 if d.get(f"{name[:-6]}_seconds") else 0.0
+                 for name in d if name.endswith("_bytes") and f"{name[:-6]}_seconds" in d}
         return {
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()},
             "hit_rate": round(d["hit_tokens"] / asked, 4) if asked else 0.0,
-            "load_GBps": round(d["load_bytes"] / d["load_seconds"] / 1e9, 2)
-            if d["load_seconds"] else 0.0,
-            "store_GBps": round(d["store_bytes"] / d["store_seconds"] / 1e9, 2)
-            if d["store_seconds"] else 0.0,
-            "disk_read_GBps": round(d["disk_read_bytes"] / d["disk_read_seconds"] / 1e9, 2)
-            if d["disk_read_seconds"] else 0.0,
-            "disk_write_GBps": round(d["disk_write_bytes"] / d["disk_write_seconds"] / 1e9, 2)
-            if d["disk_write_seconds"] else 0.0,
+            **rates,
         }
 
     def is_empty(self) -> bool:
@@ -65,7 +61,7 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, dict[int, PromMetric]] = {}
-        for name in asdict(OffloadCounters()):
+        for name in counter_names():
             kind = self._gauge_cls if name in _GAUGES else self._counter_cls
             metric = kind(name=f"vllm:kvconnector_{name}", labelnames=labelnames,
                           documentation=f"CrossLayerOffloadConnector tiers: {name}")

@@ -1,32 +1,33 @@
 """An engine's tiers as the connector sizes them, alike on the scheduler and every worker: the
-slot of one block, the host pool's and the disk's slot counts, the key namespace and the KV
-cache groups, worked out from vLLM's config and the connector's options; configurations the
-tiers cannot serve are refused here (ValueError at start). And the disk tier's index, with the
-blocks its slabs still hold.
+slot of one block, the host pool's slot count, the key namespace and the KV cache groups, worked
+out from vLLM's config and the connector's options, and each registered tier's settings and the
+contexts its two parts are made with. Configurations the tiers cannot serve are refused here
+(ValueError at start).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from vllm.logger import init_logger
+from typing import TYPE_CHECKING, Any
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up
-from kvconnector.offload.disk_tier import DiskPlanner, DiskSettings, restored_blocks
 from kvconnector.offload.groups import CacheGroup
-from kvconnector.offload.remote_tier import RemoteSettings
 from kvconnector.vllm.groups import cache_groups, offloaded_spec
-from kvconnector.vllm.namespace import disk_namespace, engine_namespace, with_groups
+from kvconnector.vllm.namespace import (
+    engine_namespace,
+    own_namespace,
+    rank_namespace,
+    with_groups,
+)
 from kvconnector.vllm.options import ConnectorOptions
 from transfer.keys import Namespace
+from transfer.registry import tier_spec
+from transfer.tier import PlannerContext, TierPlanner, TierWorker, WorkerContext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-logger = init_logger("vllm.kvconnector")  # under vLLM's logger: its handler and level apply
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,43 @@ class EngineTiers:
     num_slots: int  # of the private host pool; 0 with a shared pool (the daemon's count)
     namespace: Namespace
     groups: list[CacheGroup]
-    remote: RemoteSettings | None
-    disk: DiskSettings | None
-    num_disk_slots: int  # per rank; 0 without a disk tier
+    settings: dict[str, Any]  # each tier below the pool that is on -> its settings, in order
     # groups whose blocks vLLM frees while the request runs (stores reading them: flushed)
     windowed: bool
+
+    def planners(self, vllm_config: VllmConfig, eviction: str) -> list[TierPlanner]:
+        """The scheduler's part of every tier that is on (closed again if one fails)."""
+        parallel = vllm_config.parallel_config
+        context = PlannerContext(
+            self.namespace, parallel.world_size, self.slot_bytes, eviction,
+            tuple(own_namespace(self.namespace, rank, parallel.tensor_parallel_size)
+                  for rank in range(parallel.world_size)))
+        return _made([lambda name=name, settings=settings: tier_spec(name).make_planner(
+            settings, context) for name, settings in self.settings.items()])
+
+    def workers(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                part_bytes: int) -> list[TierWorker]:
+        """This worker's part of every tier that is on; `part_bytes`: its block's bytes."""
+        parallel = vllm_config.parallel_config
+        common, writes = rank_namespace(self.namespace, offloaded_spec(kv_cache_config),
+                                        parallel)
+        context = WorkerContext(parallel.rank, part_bytes, self.slot_bytes,
+                                own_namespace(self.namespace, parallel.rank,
+                                              parallel.tensor_parallel_size), common, writes)
+        return _made([lambda name=name, settings=settings: tier_spec(name).make_worker(
+            settings, context) for name, settings in self.settings.items()])
+
+
+def _made(factories: list) -> list:
+    made = []
+    try:
+        for make in factories:
+            made.append(make())
+    except BaseException:
+        for part in made:
+            part.close()
+        raise
+    return made
 
 
 def plan_tiers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
@@ -59,47 +92,26 @@ def plan_tiers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     num_slots = 0 if options.pool else options.cpu_bytes // slot_bytes
     if num_slots == 0 and not options.pool:
         raise ValueError(f"cpu_bytes {options.cpu_bytes} holds no block of {slot_bytes} B")
-    remote = options.remote()
-    if remote is not None and len(groups) > 1:
-        # The store answers a lookup with a count of leading keys; a state group keeps states
-        # only where steps ended, so several groups need an answer per key.
-        raise ValueError(f"remote_url with {len(groups)} KV cache groups is not supported "
-                         f"(one group only)")
+    settings = options.tier_settings()
+    for name in settings:
+        tier = tier_spec(name)
+        if len(groups) > 1 and not tier.per_key_lookups:
+            # A tier answering a count of leading keys cannot serve several groups: a state
+            # group keeps states only where steps ended, so they need an answer per key.
+            raise ValueError(f"{tier.enabled_by} with {len(groups)} KV cache groups is not "
+                             f"supported (one group only)")
     cached = cache_groups(kv_cache_config)
     parallel = vllm_config.parallel_config
     namespace = with_groups(
         engine_namespace(vllm_config, spec, num_layers, parallel.tensor_parallel_size),
         [(g.kv_cache_spec, g.layer_names) for g in groups])
-    disk = options.disk()
-    num_disk_slots = 0
-    if disk is not None:
-        num_disk_slots = disk.num_slots(slot_bytes)
-        if num_disk_slots == 0:
-            raise ValueError(f"disk_bytes {disk.num_bytes} holds no block of "
-                             f"{slot_bytes} B (and its 4 KiB footer)")
     if options.pool:
         # A shared slot holds one block of every rank, rank r's at r x slot_bytes: engines
         # with other PP sizes place ranks differently, so they get keys of their own.
         namespace = dataclasses.replace(
             namespace, salt=f"{namespace.salt}/pool:{parallel.world_size}x{slot_bytes}")
-    return EngineTiers(spec.block_size, slot_bytes, num_slots, namespace, cached, remote, disk,
-                       num_disk_slots, any(g.window is not None or g.state for g in cached))
-
-
-def disk_planner(tiers: EngineTiers, vllm_config: VllmConfig,
-                 eviction: str) -> DiskPlanner | None:
-    """The disk tier's index, with the blocks every rank's slab still holds."""
-    if tiers.disk is None:
-        return None
-    parallel = vllm_config.parallel_config
-    digests = [disk_namespace(tiers.namespace, rank, parallel.tensor_parallel_size).digest
-               for rank in range(parallel.world_size)]
-    stored = restored_blocks(tiers.disk.path, tiers.namespace.digest, digests,
-                             tiers.num_disk_slots)
-    logger.info("CrossLayerOffloadConnector disk tier %s: %d slots, %d blocks found",
-                tiers.disk.path, tiers.num_disk_slots, len(stored))
-    return DiskPlanner(tiers.namespace, tiers.num_disk_slots, eviction,
-                       tiers.disk.write_policy, parallel.world_size, stored)
+    return EngineTiers(spec.block_size, slot_bytes, num_slots, namespace, cached, settings,
+                       any(g.window is not None or g.state for g in cached))
 
 
 def largest_pp_stage(vllm_config: VllmConfig) -> int:

@@ -214,7 +214,7 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], message: str,
 
 
 def test_presets_match_design_page_and_block_sizes() -> None:
-    # DESIGN.md section 1: per-layer page and block-major block of each preset.
+    # Per-layer page and block-major block of each preset, as docs/benchmarks.md quotes them.
     expect = {"llama-3.1-8b": (64 << 10, 2 << 20), "llama-3.1-70b-tp8": (8 << 10, 640 << 10),
               "qwen3-32b": (64 << 10, 4 << 20), "deepseek-v3": (72 << 10, 61 * (72 << 10)),
               "gpt-oss-120b-hma": (32 << 10, 18 * (32 << 10))}

@@ -14,7 +14,7 @@ from kvconnector.cli import main
 
 pytest.importorskip("redis")
 
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis.values import RedisAuth  # noqa: E402
 
 pytestmark = pytest.mark.redis

@@ -44,7 +44,7 @@ class Rig:
         gen = torch.Generator().manual_seed(7)
         self.cache.raw.copy_(torch.randint(0, 256, (self.cache.raw.numel(),), dtype=torch.uint8,
                                            generator=gen))
-        self.pool = HostPool.create(LAYOUT, num_slots=num_slots, pinned=True)
+        self.pool = HostPool.create(num_slots, LAYOUT.block_bytes, pinned=True)
         assert self.pool.pinned
         self.pool.buffer.raw.fill_(0xA5)
         self.rows = self.cache.block_chunks()

@@ -11,7 +11,7 @@ import torch
 from kvconnector.layout.allocator import KVBuffer, allocate
 from kvconnector.layout.descriptor import KVLayout
 from transfer.copy.base import Segment, ThreadBackend
-from transfer.engine import TransferEngine, TransferResult
+from transfer.engine import CopyResult, TransferEngine
 from transfer.pool import HostPool
 
 POISON_POOL = 0xA5
@@ -76,7 +76,7 @@ class Rig:
     def __init__(self, order: str = "BLNHC", num_blocks: int = 40, num_slots: int = 24,
                  gate=None, max_store_bytes: int = 1 << 30) -> None:
         self.cache = allocate(small_layout(order), num_blocks=num_blocks)
-        self.pool = HostPool.create(small_layout(order), num_slots=num_slots, pinned=False)
+        self.pool = HostPool.create(num_slots, small_layout(order).block_bytes, pinned=False)
         self.segments = self.pool.segments(cache_chunks(self.cache))
         self.engine = TransferEngine(self.segments, ThreadBackend(gate),
                                      max_store_bytes=max_store_bytes)
@@ -88,7 +88,7 @@ class Rig:
         self.pool.close()
         self.cache.close()
 
-    def finished(self) -> dict[int, TransferResult]:
+    def finished(self) -> dict[int, CopyResult]:
         return {r.job_id: r for r in self.engine.get_finished()}
 
     def gpu_rows(self) -> list[torch.Tensor]:
@@ -117,7 +117,7 @@ def test_round_trip_bit_exact(order: str, seed: int) -> None:
         assert r.engine.submit_store(1, gpu_ids, slots)
         assert r.engine.wait([1], TIMEOUT)
         res = r.finished()
-        assert res == {1: TransferResult(1, True, n * r.pool.block_bytes, res[1].seconds, True)}
+        assert res == {1: CopyResult(1, True, n * r.pool.block_bytes, res[1].seconds, True)}
         want = expected_after(r.pool.buffer.raw, pool_before, r.host_rows(), r.gpu_rows(),
                               gpu_ids, slots)
         assert torch.equal(r.pool.buffer.raw, want)
@@ -142,7 +142,7 @@ def test_fallback_has_one_segment_per_layer() -> None:
     try:
         assert len(r.segments) == 3
         assert [s.nbytes for s in r.segments] == [r.cache.layout.page_bytes] * 3
-        assert r.pool.layout.order == "BLHNC"
+        assert r.pool.slots.shape == (24, r.cache.layout.block_bytes)  # a whole block a slot
     finally:
         r.close()
 
@@ -295,7 +295,7 @@ def test_store_dropped_under_pressure_whole_and_reported() -> None:
         assert r.engine.submit_store(3, [4], [4])  # 3 blocks: fits
         assert r.engine.submit_load(4, [10], [30])  # loads are never dropped
         res = r.finished()
-        assert res[2] == TransferResult(2, False, 0, 0.0, True)
+        assert res[2] == CopyResult(2, False, 0, 0.0, True)
         gate.open(1)
         assert r.engine.wait(None, TIMEOUT)
         res.update(r.finished())

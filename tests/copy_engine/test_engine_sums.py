@@ -12,7 +12,7 @@ from test_row_sums import reference
 from transfer.copy import base
 from transfer.copy.base import Segment, ThreadBackend
 from transfer.copy.row_sums import row_sums, to_unsigned
-from transfer.engine import TransferEngine, TransferResult
+from transfer.engine import CopyResult, TransferEngine
 
 N = 7
 
@@ -74,7 +74,7 @@ def check_load(r: Rig, monkeypatch: pytest.MonkeyPatch, bad: int | None, stage_r
     assert r.engine.wait([2], TIMEOUT)
     good = N if bad is None else bad
     res = r.finished()
-    assert res == {2: TransferResult(2, True, good * bb, res[2].seconds, False, (), good)}
+    assert res == {2: CopyResult(2, True, good * bb, res[2].seconds, False, (), good)}
     want = torch.full_like(blocks, POISON_CACHE)
     for i in range(good):
         want[targets[i]] = originals[i]

@@ -129,7 +129,7 @@ class Rig:
                  num_slots: int = 48) -> None:
         self.cache = allocate(layout(order), num_blocks=num_blocks, device="cuda")
         self.cache.raw.copy_(random_bytes(self.cache.raw.numel(), 1))
-        self.pool = HostPool.create(layout(order), num_slots=num_slots, pinned=True)
+        self.pool = HostPool.create(num_slots, layout(order).block_bytes, pinned=True)
         assert self.pool.pinned
         self.pool.buffer.raw.fill_(0xA5)
         self.segments = self.pool.segments(cache_chunks(self.cache))
@@ -267,9 +267,7 @@ def test_auto_splits_a_load_between_the_sms_and_dma_bit_exact() -> None:
     from transfer.copy.factory import make_backend
 
     small, large, blocks, slots = 8 << 10, 64 << 10, 64, 48
-    pool_layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=small + large, block_size=1,
-                           dtype="uint8", order="BLNHC", form="mla")
-    pool = HostPool.create(pool_layout, num_slots=slots, pinned=True)
+    pool = HostPool.create(slots, small + large, pinned=True)
     gpu = [random_bytes(blocks * w, 11 + i).cuda().view(blocks, w)
            for i, w in enumerate((small, large))]
     host = pool.slots
@@ -374,7 +372,7 @@ def test_sm_copy_refuses_an_unpinned_pool() -> None:
     from transfer.copy.cuda import SmCopyBackend
 
     cache = allocate(layout("BLNHC"), num_blocks=4, device="cuda")
-    pool = HostPool.create(layout("BLNHC"), num_slots=4, pinned=False)
+    pool = HostPool.create(4, layout("BLNHC").block_bytes, pinned=False)
     try:
         with pytest.raises(ValueError, match="not pinned memory"):
             TransferEngine(pool.segments([cache.block_chunks()]), SmCopyBackend("cuda"))
@@ -384,7 +382,7 @@ def test_sm_copy_refuses_an_unpinned_pool() -> None:
 
 def _child(name: str, order: str, slots: list[int], seed_in: int, out_slots: list[int],
            seed_out: int) -> None:
-    pool = HostPool.attach(name, layout(order), pinned=True)
+    pool = HostPool.attach(name, pinned=True)
     cache = allocate(layout(order), num_blocks=8, device="cuda")
     engine = TransferEngine(pool.segments(cache_chunks(cache)))
     try:
@@ -409,7 +407,7 @@ def _child(name: str, order: str, slots: list[int], seed_in: int, out_slots: lis
 
 def test_shared_pool_registered_and_used_from_two_processes() -> None:
     name = f"kvc-gpu-{uuid.uuid4().hex[:12]}"
-    pool = HostPool.create(layout("BLNHC"), num_slots=16, pinned=True, shared_name=name)
+    pool = HostPool.create(16, layout("BLNHC").block_bytes, pinned=True, shared_name=name)
     cache = allocate(layout("BLNHC"), num_blocks=8, device="cuda")
     engine = TransferEngine(pool.segments(cache_chunks(cache)))
     try:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvconnector.layout import KVForm, KVLayout
 from transfer.disk.slab import DiskError, open_direct
 from transfer.pool import HostPool
 
@@ -31,10 +30,8 @@ def direct_dir(path: Path) -> Path:
 
 
 def make_pool(block_bytes: int, num_slots: int) -> HostPool:
-    """A pageable host pool of opaque blocks of `block_bytes` (page-aligned slots)."""
-    layout = KVLayout(num_layers=1, num_kv_heads=1, head_size=block_bytes, block_size=1,
-                      dtype=torch.uint8, form=KVForm.MLA, order="BLNHC")
-    return HostPool.create(layout, num_slots=num_slots, pinned=False)
+    """A pageable host pool of `num_slots` page-aligned slots of `block_bytes`."""
+    return HostPool.create(num_slots, block_bytes, pinned=False)
 
 
 def block_data(seed: int, block_bytes: int) -> torch.Tensor:

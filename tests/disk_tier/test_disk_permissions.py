@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from disk_helpers import NS_DIGEST
 
-from kvconnector.offload.disk_tier import restored_blocks
+from transfer.disk.planner import restored_blocks
 from transfer.disk.slab import SlabFile
 
 NOBODY = 65534

@@ -25,9 +25,9 @@ from disk_helpers import (
     small_filesystem,
 )
 
+from transfer.checksums import block_checksum
 from transfer.disk.io import DiskIO
 from transfer.disk.slab import FOOTER_BYTES, DiskError, SlabFile, scan, slab_path
-from transfer.remote.backend import block_checksum
 
 BLOCK = 3 * 4096 + 100  # not a multiple of 4 KiB: a slot's padding travels with it
 REPO = Path(__file__).resolve().parents[2]

@@ -38,9 +38,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A StoreProcess (transfer/remote/store/testing.py) serving `url`: kill() and start()
+    """A StoreProcess (kvconnector/servers/store.py) serving `url`: kill() and start()
     restart it empty on the same URL."""
-    from transfer.remote.store.testing import StoreProcess
+    from kvconnector.servers.store import StoreProcess
 
     log = tmp_path_factory.mktemp("store") / "store.log"
     with StoreProcess(log, capacity="64MiB") as process:

@@ -34,8 +34,8 @@ from engine_support import (
 )
 from tiny_llama import prompt_ids
 
+from transfer.checksums import block_checksum
 from transfer.disk.slab import ALIGN, aligned_buffer, scan, seal_footer, slot_bytes
-from transfer.remote.backend import block_checksum
 
 if TYPE_CHECKING:
     from vllm import LLM

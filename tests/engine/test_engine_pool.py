@@ -32,11 +32,11 @@ from engine_support import (
 )
 from tiny_llama import prompt_ids
 
+from kvconnector.servers.pool import PoolProcess
 from transfer.keys import Namespace
 from transfer.pool import HostPool
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
-from transfer.shared.testing import PoolProcess
 
 pytestmark = pytest.mark.engine
 

@@ -32,8 +32,8 @@ from engine_support import (
 from test_engine_disk import DISK_SLOTS, cached_by_source, rewrite_on_disk
 from tiny_llama import prompt_ids
 
+from kvconnector.servers.pool import PoolProcess
 from transfer.disk.slab import slot_bytes
-from transfer.shared.testing import PoolProcess
 
 if TYPE_CHECKING:
     from vllm import LLM

@@ -31,7 +31,7 @@ from tiny_llama import prompt_ids
 if TYPE_CHECKING:
     from vllm import LLM
 
-    from transfer.remote.store.testing import StoreProcess
+    from kvconnector.servers.store import StoreProcess
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,5 @@
-"""Host block pool: sizing, block-major twin layout, segments, shared memory across processes."""
+"""Host block pool: slots of a byte size, segments of any cache order, shared memory across
+processes."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import uuid
 import pytest
 import torch
 
-from kvconnector.layout.allocator import allocate
+from kvconnector.layout.allocator import allocate, slots_in
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVLayout, round_up
 from transfer.engine import TransferEngine
-from transfer.pool import HostPool, block_major_twin
+from transfer.pool import HostPool
 
 
 def layout(order: str = "BLNHC", num_layers: int = 3) -> KVLayout:
@@ -19,43 +20,39 @@ def layout(order: str = "BLNHC", num_layers: int = 3) -> KVLayout:
                     dtype="bfloat16", order=order)
 
 
-def test_pool_from_budget_is_block_major_with_cache_block_bytes() -> None:
+def test_pool_is_page_aligned_zeroed_slots_of_the_cache_block_bytes() -> None:
     lay = layout("LBHNC")
     stride = round_up(lay.block_bytes, HOST_ALIGNMENT)
-    pool = HostPool.create(lay, budget_bytes=10 * stride + stride // 2, pinned=False)
+    num_slots = slots_in(10 * stride + stride // 2, lay.block_bytes)
+    pool = HostPool.create(num_slots, lay.block_bytes, pinned=False)
     try:
         assert pool.num_slots == 10
-        assert pool.layout.order == "BLHNC" and pool.layout.is_block_major
         assert pool.block_bytes == lay.block_bytes
         assert pool.slots.shape == (10, lay.block_bytes)
         assert pool.slots.stride(0) == stride
         assert pool.slots.data_ptr() % HOST_ALIGNMENT == 0
         assert not pool.pinned and pool.shared_name is None
+        assert pool.buffer.raw.numel() == 10 * stride
         assert torch.count_nonzero(pool.buffer.raw) == 0
     finally:
         pool.close()
 
 
-@pytest.mark.parametrize("order, twin", [("LBHNC", "BLHNC"), ("LBNHC", "BLNHC"),
-                                         ("LHBNC", "BLHNC"), ("BHLNC", "BHLNC")])
-def test_block_major_twin(order: str, twin: str) -> None:
-    lay = layout(order)
-    assert block_major_twin(lay).order == twin
-    assert block_major_twin(lay).block_bytes == lay.block_bytes
-
-
-def test_budget_too_small_and_pinned_without_cuda_are_refused() -> None:
-    with pytest.raises(ValueError, match="holds no block"):
-        HostPool.create(layout(), budget_bytes=100, pinned=False)
+def test_no_slots_and_pinned_without_cuda_are_refused() -> None:
+    assert slots_in(100, layout().block_bytes) == 0
+    with pytest.raises(ValueError, match="num_slots must be a positive integer, got 0"):
+        HostPool.create(0, layout().block_bytes, pinned=False)
+    with pytest.raises(ValueError, match="slot_bytes must be a positive integer, got 0"):
+        HostPool.create(2, 0, pinned=False)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pinned=True needs CUDA"):
-            HostPool.create(layout(), num_slots=2, pinned=True)
+            HostPool.create(2, layout().block_bytes, pinned=True)
 
 
 def test_fallback_segments_tile_each_slot() -> None:
     lay = layout("LBHNC")
     cache = allocate(lay, num_blocks=5)
-    pool = HostPool.create(lay, num_slots=4, pinned=False)
+    pool = HostPool.create(4, lay.block_bytes, pinned=False)
     try:
         pages = [cache.raw[i * 5 * lay.page_bytes:(i + 1) * 5 * lay.page_bytes].view(5, -1)
                  for i in range(3)]
@@ -73,7 +70,7 @@ def test_fallback_segments_tile_each_slot() -> None:
 
 def test_pool_of_wrong_block_size_is_refused() -> None:
     cache = allocate(layout(num_layers=4), num_blocks=4)
-    pool = HostPool.create(layout(num_layers=3), num_slots=4, pinned=False)
+    pool = HostPool.create(4, layout(num_layers=3).block_bytes, pinned=False)
     try:
         with pytest.raises(ValueError, match="wrong block size"):
             pool.segments([cache.block_chunks()])
@@ -95,7 +92,7 @@ def test_pool_of_wrong_block_size_is_refused() -> None:
     ([torch.as_strided(torch.zeros(2000, dtype=torch.uint8), (3, 768), (100, 1))], "overlap"),
 ])
 def test_bad_chunks_are_refused(chunks: list[torch.Tensor], match: str) -> None:
-    pool = HostPool.create(layout(), num_slots=2, pinned=False)
+    pool = HostPool.create(2, layout().block_bytes, pinned=False)
     try:
         with pytest.raises(ValueError, match=match):
             pool.segments(chunks)
@@ -105,8 +102,10 @@ def test_bad_chunks_are_refused(chunks: list[torch.Tensor], match: str) -> None:
 
 def _child(name: str, lay: KVLayout, slots: list[int], expect: bytes, write: list[int],
            seed: int) -> None:
-    pool = HostPool.attach(name, lay, pinned=False)
+    pool = HostPool.attach(name, pinned=False)
     try:
+        if (pool.num_slots, pool.block_bytes) != (8, lay.block_bytes):
+            raise SystemExit(2)
         seen = b"".join(pool.slots[s].numpy().tobytes() for s in slots)
         if seen != expect:
             raise SystemExit(3)
@@ -121,7 +120,7 @@ def _child(name: str, lay: KVLayout, slots: list[int], expect: bytes, write: lis
 def test_shared_pool_seen_from_a_second_process() -> None:
     lay = layout()
     name = f"kvc-test-{uuid.uuid4().hex[:12]}"
-    pool = HostPool.create(lay, num_slots=8, pinned=False, shared_name=name)
+    pool = HostPool.create(8, lay.block_bytes, pinned=False, shared_name=name)
     cache = allocate(lay, num_blocks=6)
     try:
         assert pool.shared_name == name
@@ -152,14 +151,17 @@ def test_shared_pool_seen_from_a_second_process() -> None:
         cache.close()
 
 
-def test_attach_with_another_block_size_is_refused() -> None:
+def test_attach_takes_the_creators_slots_and_refuses_another_block_size() -> None:
     name = f"kvc-test-{uuid.uuid4().hex[:12]}"
-    pool = HostPool.create(layout(num_layers=3), num_slots=3, pinned=False, shared_name=name)
+    pool = HostPool.create(3, layout(num_layers=3).block_bytes, pinned=False, shared_name=name)
+    cache = allocate(layout(num_layers=2), num_blocks=2)
     try:
-        with pytest.raises(ValueError, match="holds BLNHC .* L=3 .*, not BLNHC .* L=2"):
-            HostPool.attach(name, layout(num_layers=2), pinned=False)
-        other = HostPool.attach(name, pinned=False)  # the layout comes from the creator
-        assert other.layout == pool.layout and other.num_slots == 3
+        other = HostPool.attach(name, pinned=False)  # count and size come from the creator
+        assert (other.num_slots, other.block_bytes) == (3, pool.block_bytes)
+        assert other.slots.stride() == pool.slots.stride()
+        with pytest.raises(ValueError, match="wrong block size"):
+            other.segments([cache.block_chunks()])
         other.close()
     finally:
         pool.close(unlink=True)
+        cache.close()

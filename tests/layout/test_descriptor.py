@@ -1,4 +1,4 @@
-"""Layout arithmetic against the figures DESIGN.md section 1 quotes for real models."""
+"""Layout arithmetic against the page and block sizes of real models (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -59,13 +59,3 @@ def test_blocks_in_budget_and_dtype_names():
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("fp8") is torch.float8_e4m3fn
     with pytest.raises(ValueError, match="alignment must be a power of two"):
         KVLayout(2, 2, 4, 5, alignment=100)
-
-
-def test_opaque_layout_is_one_block_major_chunk_of_exactly_its_bytes():
-    """Host pools and bench arenas size slots by bytes alone: one chunk, no padding."""
-    for nbytes in (1, 4100, 2 << 20):
-        layout = KVLayout.opaque(nbytes)
-        assert (layout.block_bytes, layout.page_bytes, layout.element_size) == (nbytes, nbytes, 1)
-        assert layout.is_block_major and layout.num_layers == 1
-    with pytest.raises(ValueError, match="head_size must be a positive integer, got 0"):
-        KVLayout.opaque(0)

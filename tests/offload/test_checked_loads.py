@@ -13,11 +13,11 @@ import torch
 from kvconnector.offload import checked_loads
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
+from transfer.checksums import block_checksum
 from transfer.copy.base import Segment, ThreadBackend
-from transfer.engine import TransferEngine, TransferResult
+from transfer.engine import CopyResult, TransferEngine
 from transfer.keys import Namespace
-from transfer.remote.backend import block_checksum
-from transfer.shared.checks import SlotChecker
+from transfer.slot_checker import SlotChecker
 
 NS = Namespace(model="m", dtype="bfloat16", block_size=4, block_layout="x")
 WIDTH = 4096
@@ -48,7 +48,7 @@ class Bench:
         return TransferJob(job_id, "r", tuple(blocks), tuple(slots), checked=tuple(keys),
                            sums=sums)
 
-    def run(self) -> list[TransferResult]:
+    def run(self) -> list[CopyResult]:
         """Submit every chunk (waiting for checks), wait for the copies, take the results."""
         self.loads.submit_all(self.engine)
         assert self.engine.wait(timeout=TIMEOUT_S)
@@ -75,7 +75,7 @@ def test_a_many_chunk_load_is_copied_whole(bench: Bench) -> None:
     slots, blocks = list(range(20)), [23 - i for i in range(20)]
     assert bench.loads.start(bench.job(7, slots, blocks), 20, bench.slots, bench.engine)
     (result,) = bench.run()
-    assert result == TransferResult(7, True, 20 * WIDTH, result.seconds, False)
+    assert result == CopyResult(7, True, 20 * WIDTH, result.seconds, False)
     assert bench.loads.take_good(7) is None
     assert bench.chunks == 7  # [0, 2), [2, 5), ... [17, 20)
     assert torch.equal(bench.cache[blocks], bench.slots[slots])
@@ -91,7 +91,7 @@ def test_nothing_is_copied_from_a_flipped_block_on(bench: Bench, bad: int) -> No
     bench.slots[slots[bad + 1:], 0] ^= 0x80  # more bad blocks after it change nothing
     assert bench.loads.start(job, 20, bench.slots, bench.engine)
     (result,) = bench.run()
-    assert result == TransferResult(1, True, bad * WIDTH, result.seconds, False)
+    assert result == CopyResult(1, True, bad * WIDTH, result.seconds, False)
     assert bench.loads.take_good(1) == bad
     # Every chunk that starts before the bad block, the last one cut short at it.
     assert bench.chunks == len([start for start in (0, 2, 5, 8, 11, 14, 17) if start < bad])

@@ -24,11 +24,12 @@ from test_offload_worker import (
     run_step,
 )
 
-from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from transfer.disk.io import DiskIO
+from transfer.disk.planner import DiskPlanner, restored_blocks
 from transfer.disk.slab import DiskError, SlabFile, open_direct, slab_path
+from transfer.disk.worker import DiskWorker
 
 DISK_SLOTS = 16
 REPO = Path(__file__).resolve().parents[2]
@@ -64,10 +65,10 @@ def tier(directory: Path, caches: dict[str, torch.Tensor], pool_slots: int, writ
     """A scheduler core and a worker with a disk tier; the index finds what the slab holds."""
     worker = OffloadWorker(caches, num_slots=pool_slots)
     stored = restored_blocks(directory, NS.digest, [NS.digest], disk_slots)
-    planner = DiskPlanner(NS, disk_slots, "lru", write_policy, 1, stored)
-    core = OffloadScheduler(NS, pool_slots, BS, 1, disk=planner)
+    planner = DiskPlanner(NS, disk_slots, "lru", write_policy, stored)
+    core = OffloadScheduler(NS, pool_slots, BS, 1, tiers=[planner])
     slab = slab_cls(directory, NS.digest, worker.block_bytes, disk_slots)
-    worker.attach_disk(DiskIO(slab, worker.pool.slots, threads=3))
+    worker.attach(DiskWorker(DiskIO(slab, worker.pool.slots, threads=3)))
     return core, worker
 
 
@@ -94,7 +95,8 @@ def load(core: OffloadScheduler, worker: OffloadWorker, req: str, hs: list[bytes
          blocks: list[int], expect: tuple[int, int, int]) -> set[int]:
     """Look up and load `hs` into `blocks`; returns the GPU blocks that failed to load."""
     assert core.lookup(req, hs, 0, len(hs) * BS + 1) == sum(expect) * BS
-    assert core.plan_load(req, hs, blocks, sum(expect) * BS) == expect
+    split = {name: n for name, n in zip(("pool", "disk", "remote"), expect, strict=True) if n}
+    assert core.plan_load(req, hs, blocks, sum(expect) * BS) == split
     step = core.build_step()
     worker.flush(step)
     worker.start_loads(step)
@@ -120,7 +122,7 @@ def test_evicted_blocks_come_back_from_disk_bit_exact(disk: Path, write_policy: 
         b = fill_random(caches, [3, 4, 5], seed=12)
         store(core, worker, "b", hashes("b", 3), [3, 4, 5])  # evicts a from the pool
         assert [core.index.contains(k) for k in NS.keys(hashes("a", 3))] == [False] * 3
-        assert all(core.disk.index.contains(k) for k in NS.keys(hashes("a", 3)))
+        assert all(core.tier("disk").index.contains(k) for k in NS.keys(hashes("a", 3)))
         poison(caches, list(range(12)))
         assert load(core, worker, "a2", hashes("a", 3), [6, 7, 8], (0, 3, 0)) == set()
         assert_blocks_equal(caches, [6, 7, 8], a)
@@ -141,17 +143,17 @@ def test_evicted_blocks_come_back_from_disk_bit_exact(disk: Path, write_policy: 
 def test_evict_policy_writes_a_victim_before_its_slot_is_stored_again(disk: Path) -> None:
     caches = make_caches("BLNHC")
     core, worker = tier(disk, caches, 2, "evict", slab_cls=GatedSlab)
-    slab = worker.disk.io.slab
+    slab = worker.tiers["disk"].io.slab
     try:
         a = fill_random(caches, [0, 1], seed=21)
         store(core, worker, "a", hashes("a", 2), [0, 1])
-        assert core.disk.spills_in_flight == 0 and len(core.disk.index) == 0
+        assert not core.has_jobs() and len(core.tier("disk").index) == 0
         b = fill_random(caches, [2, 3], seed=22)
         slab.gate = threading.Event()  # hold the spill of a
         core.plan_stores("b", hashes("b", 2), [2, 3], 2 * BS)
         step = core.build_step()
-        assert len(step.spills) == 1
-        assert sorted(step.spills[0].slots) == sorted(step.stores[0].slots)
+        assert len(step.writes) == 1
+        assert sorted(step.writes[0].slots) == sorted(step.stores[0].slots)
         worker.start_loads(step)
         worker.submit_stores(step)
         assert worker.engine.inflight_store_bytes == 0  # b's copy waits behind the spill
@@ -195,7 +197,7 @@ def test_restart_in_a_new_process_finds_the_blocks(disk: Path, device: str, orde
     poison(caches, list(range(12)))
     core, worker = tier(disk, caches, 8, "through")
     try:
-        assert len(core.disk.index) == 4
+        assert len(core.tier("disk").index) == 4
         assert load(core, worker, "b", hashes("a", 4), [0, 2, 4, 6], (0, 4, 0)) == set()
         assert_blocks_equal(caches, [0, 2, 4, 6], expected)
         assert core.index.lookup_prefix(NS.keys(hashes("a", 4))) == 4  # now in the pool too
@@ -213,10 +215,10 @@ def test_a_corrupt_block_is_a_load_error_and_leaves_the_disk_index(disk: Path) -
         worker.close()
     core, worker = tier(disk, caches, 4, "through")  # a restart: a is on disk only
     try:
-        slot = core.disk.index.prepare_load(NS.keys(hashes("a", 3))[1:2]).slots[0]
-        core.disk.index.complete_load(NS.keys(hashes("a", 3))[1:2])
+        slot = core.tier("disk").index.prepare_load(NS.keys(hashes("a", 3))[1:2]).slots[0]
+        core.tier("disk").index.complete_load(NS.keys(hashes("a", 3))[1:2])
         with slab_path(disk, NS.digest).open("r+b") as f:
-            offset = worker.disk.io.slab.offset(slot) + 100
+            offset = worker.tiers["disk"].io.slab.offset(slot) + 100
             f.seek(offset)
             byte = f.read(1)[0]
             f.seek(offset)
@@ -228,7 +230,7 @@ def test_a_corrupt_block_is_a_load_error_and_leaves_the_disk_index(disk: Path) -
         for b in (5, 6):  # the bad block never reached the cache, nor did the one after it
             assert all(bool((page == POISON).all()) for page in block_bytes(caches, b))
         keys = NS.keys(hashes("a", 3))
-        assert [core.disk.index.contains(k) for k in keys] == [True, False, True]
+        assert [core.tier("disk").index.contains(k) for k in keys] == [True, False, True]
         counters = core.take_counters()
         assert (counters.disk_failed_reads, counters.failed_loads) == (1, 1)
         assert not core.has_jobs() and worker.jobs_in_flight == 0
@@ -243,7 +245,7 @@ def test_disk_capacity_evicts_and_a_lookup_takes_only_what_the_pool_can_hold(dis
         store(core, worker, "a", hashes("a", 2), [0, 1])
         store(core, worker, "b", hashes("b", 2), [2, 3])  # disk: 3 slots, a's tail goes
         keys = NS.keys(hashes("a", 2) + hashes("b", 2))
-        assert [core.disk.index.contains(k) for k in keys] == [True, False, True, True]
+        assert [core.tier("disk").index.contains(k) for k in keys] == [True, False, True, True]
         assert core.take_counters().disk_evictions == 1
         core.plan_stores("c", hashes("c", 1), [4], BS)  # evicts b1 from the pool: room 1
         # b0 is in the pool and b1 on disk, but the load pins b0: no slot left to read b1 into.
@@ -251,7 +253,7 @@ def test_disk_capacity_evicts_and_a_lookup_takes_only_what_the_pool_can_hold(dis
         assert core.lookup("e", hashes("a", 1), 0, 100) == 1 * BS  # a0 on disk, room 1
         core.plan_stores("f", hashes("f", 1), [5], BS)  # the last pool slot: room 0
         assert core.lookup("e", hashes("a", 1), 0, 100) == 0
-        assert core.remote_candidates("e") == []  # the disk run is cut: nothing after it
+        assert core._lookups["e"].tier_hits == []  # no room: no tier below is asked
         settle(core, worker)  # c and f written through: a0 and b0 leave the disk
         assert core.index.num_reclaimable == 2 and core.take_counters().disk_evictions == 2
     finally:
@@ -266,9 +268,9 @@ def test_reset_erases_the_disk_so_a_restart_finds_nothing(disk: Path) -> None:
         store(core, worker, "a", hashes("a", 2), [0, 1])
         assert len(restored_blocks(disk, NS.digest, [NS.digest], DISK_SLOTS)) == 2
         core.reset()
-        assert len(core.disk.index) == 0 and core.lookup("b", hashes("a", 2), 0, 100) == 0
+        assert len(core.tier("disk").index) == 0 and core.lookup("b", hashes("a", 2), 0, 100) == 0
         step, _ = run_step(core, worker)
-        assert step.erase_disk
+        assert step.erase == ["disk"]
         assert restored_blocks(disk, NS.digest, [NS.digest], DISK_SLOTS) == {}
         fill_random(caches, [2], seed=52)
         store(core, worker, "c", hashes("c", 1), [2])  # the erased slab takes blocks again
@@ -276,6 +278,6 @@ def test_reset_erases_the_disk_so_a_restart_finds_nothing(disk: Path) -> None:
         worker.close()
     core, worker = tier(disk, caches, 4, "through")
     try:
-        assert len(core.disk.index) == 1 and core.disk.index.contains(NS.key(b"c0"))
+        assert len(core.tier("disk").index) == 1 and core.tier("disk").index.contains(NS.key(b"c0"))
     finally:
         worker.close()

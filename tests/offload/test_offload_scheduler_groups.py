@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvconnector.offload.disk_tier import DiskPlanner
 from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import JobReport
 from kvconnector.offload.scheduler import OffloadScheduler
+from transfer.disk.planner import DiskPlanner
 from transfer.keys import Namespace
 
 BS = 4
@@ -83,7 +83,7 @@ def test_load_writes_every_full_block_and_the_sliding_window_after_a_local_hit()
     # 1 block cached locally; vLLM allocates the window's sliding blocks only (4, 5)
     assert core.lookup("b", hs, BS, 6 * BS + 1) == 5 * BS
     assert core.plan_load("b", hs, [[40, 41, 42, 43, 44, 45], [NULL, NULL, NULL, NULL, 54, 55]],
-                          5 * BS) == (5, 0, 0)
+                          5 * BS) == {"pool": 5}
     (job,) = core.build_step().loads
     assert job.block_ids == (41, 42, 43, 44, 45, 54, 55)
     assert core._jobs[job.job_id].keys == ([NS.key(b"\x00" + h) for h in hs[1:]]
@@ -131,13 +131,23 @@ def test_a_finished_request_flushes_its_old_sliding_stores_not_its_last_ones() -
     assert core.build_step().flush == [first.job_id]
 
 
+class LeadingCountsOnly(DiskPlanner):
+    """A tier that answers how many leading keys it holds, not which (as a remote store)."""
+
+    name = "counts"
+    answers_per_key = False
+
+    def __init__(self) -> None:
+        super().__init__(NS, 4, "lru", "evict")
+
+
 def test_bad_group_configurations_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="distinct key prefixes"):
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"x"), CacheGroup(b"x", window=4)))
     with pytest.raises(ValueError, match="sliding window is a positive int, got 0"):
         OffloadScheduler(NS, 4, BS, 1, groups=(CacheGroup(b"a"), CacheGroup(b"b", window=0)))
-    with pytest.raises(ValueError, match="remote store with several KV cache groups"):
-        OffloadScheduler(NS, 4, BS, 1, groups=GROUPS, remote=True)
+    with pytest.raises(ValueError, match="tier 'counts' with 2 KV cache groups is not supported"):
+        OffloadScheduler(NS, 4, BS, 1, groups=GROUPS, tiers=[LeadingCountsOnly()])
     with pytest.raises(ValueError, match="1 block tables for 2 KV cache groups"):
         make().plan_stores("a", hashes("a", 1), [5], BS)
 
@@ -163,7 +173,7 @@ def test_a_state_group_needs_its_block_at_the_prefix_end_only() -> None:
     assert core.lookup("c", hs[:5], 0, 5 * BS + 1) == 4 * BS
     # the load writes every attention block and the one state block
     assert core.plan_load("c", hs[:5], [[40, 41, 42, 43, 44], [50, 51, 52, 53, 54]],
-                          4 * BS) == (4, 0, 0)
+                          4 * BS) == {"pool": 4}
     (load,) = core.build_step().loads
     assert load.block_ids == (43, 50, 51, 52, 53)
     with pytest.raises(ValueError, match="a state group has no window"):
@@ -180,21 +190,23 @@ def test_several_groups_load_from_the_pool_and_the_disk_together() -> None:
     state_keys, full_keys = keys(groups[0], hs), keys(groups[1], hs)
     on_disk = {full_keys[2]: 0, full_keys[3]: 1, state_keys[3]: 2, state_keys[1]: 3}
     core = OffloadScheduler(NS, 8, BS, 1, groups=groups, null_block=NULL,
-                            disk=DiskPlanner(NS, 8, "lru", "evict", 1, on_disk))
+                            tiers=[DiskPlanner(NS, 8, "lru", "evict", on_disk)])
     core.plan_stores("a", hs[:2], [[NULL, NULL], [1, 2]], 2 * BS)
     complete_step(core)  # full blocks 0 and 1 in the pool
     assert core.lookup("b", hs, 0, 5 * BS + 1) == 4 * BS  # state 3: disk; full 0-1 pool, 2-3 disk
     assert core.plan_load("b", hs, [[40, 41, 42, 43, 44], [50, 51, 52, 53, 54]],
-                          4 * BS) == (2, 2, 0)  # positions 2 and 3 read from disk
+                          4 * BS) == {"pool": 2, "disk": 2}  # positions 2, 3 read from disk
     (load,) = core.build_step().loads
     assert load.block_ids == (50, 51, 43, 52, 53)  # the pool's, then the disk's
-    assert set(load.disk_keys) == {state_keys[3], full_keys[2], full_keys[3]}
-    assert sorted(load.disk_slots) == [0, 1, 2]
+    (read,) = load.fetches
+    assert read.tier == "disk" and not read.is_write
+    assert set(read.keys) == {state_keys[3], full_keys[2], full_keys[3]}
+    assert sorted(read.places) == [0, 1, 2]
     assert len(load.slots) == 5 and not load.fail
     # a pool of 4 slots, 2 pinned by the load, has room to read 2 blocks, not 3: the prefix
     # of 4 is no hit; nor 3 (no state after block 2); 2 is (the state after block 1 read)
     small = OffloadScheduler(NS, 4, BS, 1, groups=groups, null_block=NULL,
-                             disk=DiskPlanner(NS, 8, "lru", "evict", 1, on_disk))
+                             tiers=[DiskPlanner(NS, 8, "lru", "evict", on_disk)])
     small.plan_stores("a", hs[:2], [[NULL, NULL], [1, 2]], 2 * BS)
     complete_step(small)
     assert small.lookup("b", hs, 0, 5 * BS + 1) == 2 * BS

@@ -7,8 +7,8 @@ import torch
 
 from kvconnector.offload.jobs import JobReport, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
-from transfer.engine import TransferResult
-from transfer.remote.backend import block_checksum
+from transfer.checksums import block_checksum
+from transfer.engine import CopyResult
 
 
 def test_row_sums_only_where_the_engine_takes_and_stages_them() -> None:
@@ -48,8 +48,8 @@ def test_hashed_stores_reported_with_their_checksums_then_row_sums() -> None:
         bad = TransferJob(8, "r", (0,), (1,), checked=(b"k1",))
         for job in (good, bad):
             checks.store_submitted(job)
-        assert checks.store_copied(TransferResult(7, True, 128, 0.1, True, sums=(5, 6)), rows)
-        assert not checks.store_copied(TransferResult(8, False, 0, 0.0, True), rows)
+        assert checks.store_copied(CopyResult(7, True, 128, 0.1, True, sums=(5, 6)), rows)
+        assert not checks.store_copied(CopyResult(8, False, 0, 0.0, True), rows)
         checks.wait()
         report = JobReport()
         assert checks.report_hashed(report) == [7]
@@ -62,17 +62,17 @@ def test_hashed_stores_reported_with_their_checksums_then_row_sums() -> None:
 
 
 def test_failed_tail_from_the_first_block_the_engine_found_bad() -> None:
-    """A load checked on the way (TransferResult.good) fails from its first bad block, counted
+    """A load checked on the way (CopyResult.good) fails from its first bad block, counted
     once; a load whose copy failed has no such tail (it fails whole), nor has a good one."""
     checks = PoolChecks(0, torch.device("cpu"))
     try:
         blocks = (10, 11, 12, 13)
         report = JobReport()
-        assert checks.failed_tail(TransferResult(1, True, 8, 0.1, False, good=1), blocks,
+        assert checks.failed_tail(CopyResult(1, True, 8, 0.1, False, good=1), blocks,
                                   report) == (11, 12, 13)
-        assert checks.failed_tail(TransferResult(2, True, 8, 0.1, False, good=4), blocks,
+        assert checks.failed_tail(CopyResult(2, True, 8, 0.1, False, good=4), blocks,
                                   report) == ()
-        assert checks.failed_tail(TransferResult(3, False, 0, 0.0, False), blocks, report) == ()
+        assert checks.failed_tail(CopyResult(3, False, 0, 0.0, False), blocks, report) == ()
         assert (report.checksum_failures, report.sums) == (1, {})
     finally:
         checks.close()

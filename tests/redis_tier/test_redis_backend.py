@@ -20,11 +20,11 @@ pytest.importorskip("redis")
 
 import torch  # noqa: E402
 
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 from transfer.remote.async_client import AsyncRemoteClient  # noqa: E402
 from transfer.remote.backend import BlockStatus  # noqa: E402
 from transfer.remote.factory import open_backend  # noqa: E402
 from transfer.remote.redis.backend import RedisClusterBackend  # noqa: E402
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis.values import HEADER_BYTES, RedisAuth, redis_key  # noqa: E402
 from transfer.remote.store.connection import StoreError  # noqa: E402
 

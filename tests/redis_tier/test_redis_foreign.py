@@ -16,9 +16,9 @@ pytest.importorskip("redis")
 
 import torch  # noqa: E402
 
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 from transfer.remote.backend import BlockStatus  # noqa: E402
 from transfer.remote.redis.backend import RedisClusterBackend  # noqa: E402
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis.values import RedisAuth, redis_key  # noqa: E402
 
 pytestmark = pytest.mark.redis

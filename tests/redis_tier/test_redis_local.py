@@ -14,8 +14,8 @@ redis = pytest.importorskip("redis")
 from redis.backoff import NoBackoff  # noqa: E402
 from redis.retry import Retry  # noqa: E402
 
-from transfer.remote.redis import certs as redis_certs  # noqa: E402
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from kvconnector.servers import certs as redis_certs  # noqa: E402
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 
 pytestmark = pytest.mark.redis
 

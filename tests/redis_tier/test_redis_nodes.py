@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from transfer.remote.redis.nodes import NodeProcesses, free_ports, node_config
+from kvconnector.servers.redis_nodes import NodeProcesses, free_ports, node_config
 
 
 def _config(**overrides: object) -> str:

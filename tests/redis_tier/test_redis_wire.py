@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E4
 from redis.exceptions import MovedError, ResponseError  # noqa: E402
 from redis.exceptions import TimeoutError as RedisTimeoutError  # noqa: E402
 
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis.wire import (  # noqa: E402
     _IOV_MAX,
     ValueTooLarge,

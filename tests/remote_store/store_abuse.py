@@ -47,11 +47,11 @@ from typing import Any
 
 import msgpack
 import zmq
+from store_peers import ZmtpPeer
 
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import block_checksum
 from transfer.remote.store.protocol import Op, encode_request
-from transfer.remote.store.testing import ZmtpPeer
 
 MiB = 1 << 20
 FRAME_LIMIT = MiB + 4096  # the store's transport limit with --max-block-size 1MiB

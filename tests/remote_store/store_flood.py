@@ -22,9 +22,10 @@ import signal
 import sys
 import time
 
+from store_peers import ZmtpPeer
+
 from transfer.keys import Namespace
 from transfer.remote.store.protocol import Op, encode_request
-from transfer.remote.store.testing import ZmtpPeer
 
 MiB = 1 << 20
 BIG = 64 * MiB - 4096  # a frame just under the store's default frame limit

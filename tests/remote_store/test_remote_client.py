@@ -9,9 +9,10 @@ import pytest
 import torch
 import zmq
 
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
 from transfer.remote.async_client import AsyncRemoteClient
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.connection import Connection, Exchange
 from transfer.remote.store.protocol import (

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvconnector.servers.store import StoreProcess
 from transfer.keys import Namespace
 from transfer.remote.async_client import AsyncRemoteClient
 from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.security import Security
-from transfer.remote.store.testing import StoreProcess
 
 BLOCK = 64 << 10
 COUNT = 2000  # 500 requests of 4 blocks: the kill lands well inside the transfer

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from store_bystander import Bystander, memory
 
+from kvconnector.servers.store import StoreProcess
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.security import Security
-from transfer.remote.store.testing import StoreProcess
 
 MiB = 1 << 20
 CAPACITY = 256 * MiB

@@ -25,9 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from store_bystander import DEADLINE_S, MiB, finish_attack, memory, start_attack, wait_for
 from store_bystander import Bystander as RoundTrips
+from store_peers import RawPeer
 
+from kvconnector.servers.store import StoreProcess
+from transfer.checksums import block_checksum
 from transfer.keys import DIGEST_BYTES, Namespace
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.admission import STALL_TIMEOUT_S
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.protocol import (
@@ -39,7 +42,6 @@ from transfer.remote.store.protocol import (
     reply_statuses,
 )
 from transfer.remote.store.security import Security
-from transfer.remote.store.testing import RawPeer, StoreProcess
 
 MAX_BLOCK = 1 << 20  # the fuzzed store's block limit, and so its transport frame limit
 NONE = Security.none()

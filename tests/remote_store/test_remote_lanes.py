@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvconnector.servers.store import StoreProcess
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient, blocks_per_batch
 from transfer.remote.store.lanes import deal, default_connections, spread_batch
 from transfer.remote.store.security import Security
 from transfer.remote.store.shards import shard_of
-from transfer.remote.store.testing import StoreProcess
 
 BLOCK = 256 << 10
 COUNT = 128

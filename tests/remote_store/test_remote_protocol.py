@@ -6,8 +6,9 @@ import msgpack
 import pytest
 
 from kvconnector.cli.units import parse_size
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,

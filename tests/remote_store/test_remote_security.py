@@ -10,13 +10,15 @@ import pytest
 import torch
 import zmq
 import zmq.auth
+from store_peers import RawPeer
 
+from kvconnector.servers.store import StoreProcess
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.protocol import Op, encode_request
 from transfer.remote.store.security import Security
-from transfer.remote.store.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10
 NS = Namespace("model-a", "bfloat16", 16, "BLNHC")

@@ -14,19 +14,21 @@ import msgpack
 import pytest
 import torch
 import zmq
+from store_peers import RawPeer
 
 from kvconnector.cli import store as cli
 from kvconnector.layout.allocator import allocate
 from kvconnector.layout.descriptor import KVLayout
+from kvconnector.servers.store import StoreProcess
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store import puts as puts_module
 from transfer.remote.store.client import StoreClient, StoreError
 from transfer.remote.store.protocol import Op, decode_reply, encode_request, reply_statuses
 from transfer.remote.store.puts import VERIFY_INLINE_BYTES
 from transfer.remote.store.security import Security
 from transfer.remote.store.server import StoreServer
-from transfer.remote.store.testing import RawPeer, StoreProcess
 
 BLOCK = 64 << 10  # at pyzmq's copy threshold: frames go zero-copy
 NONE = Security.none()

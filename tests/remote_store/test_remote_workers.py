@@ -18,8 +18,10 @@ import msgpack
 import pytest
 import torch
 from store_bystander import Bystander, memory
+from store_peers import RawPeer
 from test_remote_flood import BUFFER_BOUND, CAPACITY, _flood
 
+from kvconnector.servers.store import StoreProcess
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
 from transfer.remote.store.admission import buffer_budget
@@ -34,7 +36,6 @@ from transfer.remote.store.protocol import (
 )
 from transfer.remote.store.security import Security
 from transfer.remote.store.shards import shard_of, split, sum_stats, worker_urls
-from transfer.remote.store.testing import RawPeer, StoreProcess
 from transfer.remote.store.workers import default_workers, worker_settings
 
 BLOCK = 64 << 10

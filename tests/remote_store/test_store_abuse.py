@@ -30,13 +30,15 @@ from store_bystander import (
     start_attack,
     wait_for,
 )
+from store_peers import RawPeer
 
+from kvconnector.servers.baseline import RawServer
+from kvconnector.servers.store import StoreProcess
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import BlockStatus, block_checksum
-from transfer.remote.store.baseline import RawServer
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.protocol import Op, Reply, decode_reply, encode_request
-from transfer.remote.store.testing import RawPeer, StoreProcess
 
 CAPACITY = 64 * MiB
 BUDGET = 96 * MiB

@@ -22,13 +22,14 @@ import torch
 
 from kvconnector.layout import KVLayout
 from kvconnector.layout.allocator import allocate
-from kvconnector.offload.disk_tier import DiskPlanner, restored_blocks
 from kvconnector.offload.jobs import TransferEvents
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from transfer.copy.base import ThreadBackend
 from transfer.disk.io import DiskIO
+from transfer.disk.planner import DiskPlanner, restored_blocks
 from transfer.disk.slab import SlabFile
+from transfer.disk.worker import DiskWorker
 from transfer.keys import Namespace
 from transfer.shared.client import SharedIndex
 from transfer.shared.mapping import SharedPart
@@ -45,7 +46,7 @@ LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=32, block_size=BS,
 
 
 def rank_digest(rank: int) -> bytes:
-    """The digest naming rank `rank`'s slab (as kvconnector.vllm.namespace.disk_namespace)."""
+    """The digest naming rank `rank`'s slab (as kvconnector.vllm.namespace.own_namespace)."""
     return dataclasses.replace(NS, tp_rank=rank).digest
 
 
@@ -60,16 +61,16 @@ class DiskSide:
         self.index = SharedIndex(name, NS, block * RANKS, retry_s=0.0)
         stored = restored_blocks(directory, NS.digest, [rank_digest(r) for r in range(RANKS)],
                                  DISK_SLOTS)
-        self.disk = DiskPlanner(NS, DISK_SLOTS, "lru", write_policy, RANKS, stored)
-        self.core = OffloadScheduler(NS, self.index.num_slots, BS, RANKS, disk=self.disk,
+        self.disk = DiskPlanner(NS, DISK_SLOTS, "lru", write_policy, stored)
+        self.core = OffloadScheduler(NS, self.index.num_slots, BS, RANKS, tiers=[self.disk],
                                      index=self.index)
         self.workers = []
         for rank, cache in enumerate(self.caches):
             worker = OffloadWorker({f"l{i}": v for i, v in enumerate(cache.layer_views())}, 0,
-                                   backend=ThreadBackend(), shared=SharedPart(name, rank * block,
+                                   backend=ThreadBackend(), mapping=SharedPart(name, rank * block,
                                                                               rank))
             slab = SlabFile(directory, rank_digest(rank), block, DISK_SLOTS)
-            worker.attach_disk(DiskIO(slab, None, threads=3))
+            worker.attach(DiskWorker(DiskIO(slab, None, threads=3), rank))
             self.workers.append(worker)
 
     def step(self) -> TransferEvents:

@@ -24,11 +24,11 @@ from typing import Any
 
 import msgpack
 
+from kvconnector.servers.pool import PoolProcess
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
-from transfer.shared.testing import PoolProcess
 
 NS = Namespace(model="attacker", dtype="bf16", block_size=4, block_layout="x")
 LEGIT_NS = Namespace(model="legit", dtype="bf16", block_size=4, block_layout="x")

@@ -59,7 +59,7 @@ class Side:
 
         self.worker = OffloadWorker({f"l{i}": v for i, v in enumerate(self.cache.layer_views())},
                                     0, backend=ThreadBackend(gate) if device == "cpu" else None,
-                                    shared=SharedPart(name, 0))
+                                    mapping=SharedPart(name, 0))
 
     def step(self, wait: bool = True) -> TransferEvents:
         """One engine step: plan, loads, stores, (wait), report; the worker's calls under

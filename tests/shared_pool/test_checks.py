@@ -1,4 +1,4 @@
-"""SlotChecker (transfer/shared/checks.py): the checksums a writer takes and a reader checks."""
+"""SlotChecker (transfer/slot_checker.py): the checksums a writer takes and a reader checks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import block_checksum
-from transfer.shared.checks import SlotChecker
+from transfer.slot_checker import SlotChecker
 
 NS = Namespace(model="m", dtype="bfloat16", block_size=4, block_layout="x")
 

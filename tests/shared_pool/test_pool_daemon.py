@@ -18,10 +18,10 @@ import pytest
 
 from kvconnector.cli import main as cli_main
 from kvconnector.layout.allocator import SHM_DIR
+from kvconnector.servers.pool import PoolProcess
 from transfer.keys import Namespace
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient, PoolError
-from transfer.shared.testing import PoolProcess
 
 NS = Namespace(model="m", dtype="bf16", block_size=4, block_layout="x")
 NOBODY = 65534

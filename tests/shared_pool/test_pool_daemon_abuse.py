@@ -32,9 +32,9 @@ from pool_attackers import (
 )
 
 from kvconnector.cli import main as cli_main
+from kvconnector.servers.pool import PoolProcess
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient, PoolError
-from transfer.shared.testing import PoolProcess
 
 PARKED_BOUND_MIB = 128  # the daemon's peak RSS over its idle RSS under parked partial frames
 BIG_SUMS = list(range(1 << 56, (1 << 56) + 128))  # 128 checksums of 9 packed bytes each

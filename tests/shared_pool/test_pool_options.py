@@ -15,7 +15,7 @@ def test_pool_replaces_cpu_bytes() -> None:
 def test_pool_takes_a_disk_tier_under_it() -> None:
     options = ConnectorOptions.parse({"pool": "node0", "disk_path": "/tmp/x",
                                       "disk_bytes": 1 << 30, "disk_write_policy": "through"})
-    assert options.disk() is not None and options.disk().write_policy == "through"
+    assert options.tier_settings()["disk"].write_policy == "through"
 
 
 @pytest.mark.parametrize(("extra", "match"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from transfer.shared.protocol import block_sums, split_sums
+from transfer.checksums import block_sums, split_sums
 
 
 def rank_list(rank: int, blocks: int, rows: bool) -> list[int]:

@@ -29,12 +29,12 @@ from pool_sides import (
 )
 
 from kvconnector.offload import checked_loads, pool_checks
+from kvconnector.servers.pool import PoolProcess
+from transfer.checksums import block_checksum
 from transfer.copy import base
 from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.pool import HostPool
-from transfer.remote.backend import block_checksum
-from transfer.shared.checks import SlotChecker
-from transfer.shared.testing import PoolProcess
+from transfer.slot_checker import SlotChecker
 
 DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=[

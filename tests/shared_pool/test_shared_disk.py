@@ -27,9 +27,9 @@ from disk_sides import (
     store_child,
 )
 
+from kvconnector.servers.pool import PoolProcess
+from transfer.checksums import block_checksum
 from transfer.disk.slab import DiskError, SlabFile, open_direct, scan
-from transfer.remote.backend import block_checksum
-from transfer.shared.testing import PoolProcess
 
 CTX = mp.get_context("spawn")
 TIMEOUT_S = 300.0
@@ -110,11 +110,11 @@ def test_shared_pool_to_disk_to_a_fresh_pool_in_a_new_process_is_bit_exact(
     answer, code = run_child(load_child, pool.name, str(disk), "p", COUNT)
     assert code == 0 and answer is not None
     split, failed, got, again = answer
-    assert split == (0, COUNT, 0) and failed == []
+    assert split == {"disk": COUNT} and failed == []
     for rank in range(RANKS):
         for block in range(COUNT):
             assert got[rank][block] == bytes(written[rank][block].numpy()), (rank, block)
-    assert again == (COUNT, 0, 0)  # from the shared pool now
+    assert again == {"pool": COUNT}  # from the shared pool now
 
 
 def test_after_a_daemon_restart_the_engine_maps_the_new_pool_and_reads_disk_into_it(
@@ -124,7 +124,7 @@ def test_after_a_daemon_restart_the_engine_maps_the_new_pool_and_reads_disk_into
     again to be written; reads hash every block, and the checksums they verified are the ones
     the blocks are committed with in the new pool (not hashed again there)."""
     import transfer.disk.slab as slab_module
-    import transfer.shared.checks as checks_module
+    import transfer.slot_checker as checks_module
 
     hashed: list[bytes] = []  # by the disk tier
     pooled: list[bytes] = []  # by the shared pool's checks
@@ -143,14 +143,14 @@ def test_after_a_daemon_restart_the_engine_maps_the_new_pool_and_reads_disk_into
         restart(pool)
         pooled.clear()
         split, events = side.load("b", hashes("q", COUNT))
-        assert split == (0, COUNT, 0) and not events.failed_block_ids
+        assert split == {"disk": COUNT} and not events.failed_block_ids
         assert all(w.pool.shared_name != segment for w in side.workers)
         assert len(hashed) == COUNT * RANKS  # each rank's read checked its part
         assert pooled == []
         assert_holds(side, written)
         # again: committed with the read's checksums, it comes from the pool, checked
         split, events = side.load("c", hashes("q", COUNT))
-        assert split == (COUNT, 0, 0) and not events.failed_block_ids
+        assert split == {"pool": COUNT} and not events.failed_block_ids
         assert len(pooled) == COUNT * RANKS  # each rank checked its part, then copied it
         assert_holds(side, written)
     finally:
@@ -166,9 +166,9 @@ def test_flipped_slab_bytes_of_one_rank_are_recomputed(pool: PoolProcess, disk: 
         written = side.store("a", hashes("f", COUNT), seed=13)
         restart(pool)
         slots = {key: slot for slot, key in scan(disk, rank_digest(1), DISK_SLOTS).items()}
-        flip(side.workers[1].disk.io.slab, slots[side.core.namespace.key(b"f2")], 1234)
+        flip(side.workers[1].tiers["disk"].io.slab, slots[side.core.namespace.key(b"f2")], 1234)
         split, events = side.load("b", hashes("f", COUNT))
-        assert split == (0, COUNT, 0)
+        assert split == {"disk": COUNT}
         assert events.failed_block_ids == set(range(2, COUNT))
         for block in range(COUNT):
             assert torch.equal(side.rows[0][block], written[0][block])
@@ -176,7 +176,7 @@ def test_flipped_slab_bytes_of_one_rank_are_recomputed(pool: PoolProcess, disk: 
                 assert torch.equal(side.rows[1][block], written[1][block])
             elif block == 2:  # the bad block was never copied
                 assert bool((side.rows[1][block] == POISON).all())
-        assert side.core.take_counters().disk_failed_reads == 1
+        assert side.core.take_counters().flat()["disk_failed_reads"] == 1
         # the good head is on disk still, the bad block is not; the failed load left no key
         assert side.core.lookup("c", hashes("f", COUNT), 0, COUNT * BS + 1) \
             == 2 * BS
@@ -228,7 +228,7 @@ def test_evict_policy_writes_the_blocks_this_engines_stores_evict(pool: PoolProc
         assert len(evicted) == 4 and evicted <= keys
         assert set(scan(disk, rank_digest(1), DISK_SLOTS).values()) == evicted
         split, events = side.load("c", hashes("e", COUNT))
-        assert split == (2, 4, 0) and events.failed_block_ids == set()
+        assert split == {"pool": 2, "disk": 4} and events.failed_block_ids == set()
         assert_holds(side, first)
         assert len(scan(disk, rank_digest(1), DISK_SLOTS)) == 8  # 4 of "o" written out
     finally:

@@ -30,10 +30,10 @@ from pool_sides import (
     writer_child,
 )
 
-from transfer.remote.backend import block_checksum
+from kvconnector.servers.pool import PoolProcess
+from transfer.checksums import block_checksum
 from transfer.shared import protocol
 from transfer.shared.client import PoolClient
-from transfer.shared.testing import PoolProcess
 
 SLOTS = 16  # 64KiB of 4KiB slots
 

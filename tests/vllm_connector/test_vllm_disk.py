@@ -22,11 +22,11 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import make_prompt, poison_gpu, run_to_completion, total_stats  # noqa: E402
 
 from kvconnector.layout.descriptor import HOST_ALIGNMENT, round_up  # noqa: E402
+from kvconnector.servers.store import StoreProcess  # noqa: E402
 from kvconnector.vllm.options import ConnectorOptions  # noqa: E402
 from transfer.disk.slab import slab_path  # noqa: E402
 from transfer.remote.store.client import StoreClient  # noqa: E402
 from transfer.remote.store.security import Security  # noqa: E402
-from transfer.remote.store.testing import StoreProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
@@ -88,7 +88,7 @@ def test_a_restarted_engine_with_a_small_pool_loads_its_blocks_from_disk(
     run_to_completion(first, {"a": (prompt, 3)})
     h.Engine.shutdown_all()  # the workers close their slabs
     second = make_engine(model_dir, tmp_path / "disk", 4, "through", async_scheduling, tp=2)
-    assert len(second.connector._scheduler.disk.index) == 6
+    assert len(second.connector._scheduler.tier("disk").index) == 6
     poison_gpu(second)
     # A pool of 4 slots takes 4 of the 6 blocks on disk now; vLLM computes the rest.
     assert hit_sources(second, "b", prompt, 3, 4 * BS) == {"disk": 4 * BS}
@@ -117,7 +117,7 @@ def test_a_restarted_hybrid_engine_loads_every_group_from_disk(
     second = make_engine(model_dir, tmp_path / "disk", 16, "through", async_scheduling, tp,
                          window=window, state=state)
     assert len(second.kv_cache_config.kv_cache_groups) == 2
-    assert len(second.connector._scheduler.disk.index) == on_disk
+    assert len(second.connector._scheduler.tier("disk").index) == on_disk
     poison_gpu(second)
     assert hit_sources(second, "b", prompt, 3, 6 * BS) == {"disk": 6 * BS}
     run_to_completion(second, {"b": (prompt, 3)})
@@ -135,11 +135,11 @@ def test_a_flipped_block_on_disk_is_recomputed(model_dir: str, tmp_path: Path) -
     run_to_completion(first, {"a": (prompt, 2)})
     h.Engine.shutdown_all()
     second = make_engine(model_dir, tmp_path / "disk", 16, "through")
-    disk = second.connector._scheduler.disk
+    disk = second.connector._scheduler.tier("disk")
     key = h.prompt_keys(second, prompt)[2]
     slot = disk.index.prepare_load([key]).slots[0]
     disk.index.complete_load([key])
-    slab = second.workers[0].connector._worker.disk.io.slab
+    slab = second.workers[0].connector._worker.tiers["disk"].io.slab
     with slab_path(tmp_path / "disk", slab.digest).open("r+b") as f:
         f.seek(slab.offset(slot) + 1000)
         byte = f.read(1)[0]
@@ -166,7 +166,7 @@ def test_remote_only_writes_through_to_disk_and_reloads_from_it_before_the_store
         prompt = make_prompt(6, 6 * BS + 2)
         run_to_completion(first, {"a": (prompt, 2)})
         core = first.connector._scheduler
-        assert (len(core.index), len(core.disk.index)) == (0, 6)  # staged, then on disk
+        assert (len(core.index), len(core.tier("disk").index)) == (0, 6)  # staged, then on disk
         with StoreClient(store.url, Security.none()) as client:
             assert client.stats()["put_blocks"] == 6  # and in the store
         assert first.scheduler.reset_prefix_cache()
@@ -188,7 +188,7 @@ def test_remote_only_writes_through_to_disk_and_reloads_from_it_before_the_store
         assert total_stats(second).data["remote_hit_tokens"] == 6 * BS
         # Fetched blocks are not written to disk (the store holds them), nor kept in the pool.
         assert (len(second.connector._scheduler.index),
-                len(second.connector._scheduler.disk.index)) == (0, 0)
+                len(second.connector._scheduler.tier("disk").index)) == (0, 0)
 
 
 @pytest.mark.parametrize(("extra", "message"), [

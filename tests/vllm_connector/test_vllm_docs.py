@@ -1,7 +1,7 @@
 """examples/vllm_serve.md against the code: its table of `kv_connector_extra_config` keys names
 every ConnectorOptions field, its table of counters every counter the connector exports to
-vLLM's /metrics (kvconnector/vllm/stats.py: one per OffloadCounters field), and its CPU recipe is
-the Makefile's."""
+vLLM's /metrics (kvconnector/vllm/counters.py: the core's and each tier's), and its CPU
+recipe is the Makefile's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from kvconnector.offload.records import OffloadCounters
+from kvconnector.vllm.counters import counter_names
 from kvconnector.vllm.options import ConnectorOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def test_the_metrics_section_lists_every_exported_counter_and_gauge() -> None:
     text = section("Metrics")
     counters = first_column_names(text)
     assert len(counters) == len(set(counters))
-    assert set(counters) == {f.name for f in dataclasses.fields(OffloadCounters)} - GAUGES
+    assert set(counters) == set(counter_names()) - GAUGES
     assert all(f"`vllm:kvconnector_{gauge}`" in text for gauge in GAUGES)
 
 

@@ -22,10 +22,10 @@ pytest.importorskip("vllm")
 import vllm_harness as h  # noqa: E402
 from vllm_harness import make_prompt, poison_gpu, run_to_completion  # noqa: E402
 
-from transfer.remote.store.testing import StoreProcess  # noqa: E402
+from kvconnector.servers.pool import PoolProcess  # noqa: E402
+from kvconnector.servers.store import StoreProcess  # noqa: E402
 from transfer.shared import protocol  # noqa: E402
 from transfer.shared.client import PoolClient  # noqa: E402
-from transfer.shared.testing import PoolProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 

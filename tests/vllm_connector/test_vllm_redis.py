@@ -19,9 +19,9 @@ pytest.importorskip("redis")
 import vllm_harness as h  # noqa: E402
 from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
+from kvconnector.servers.redis_cluster import LocalRedisCluster  # noqa: E402
 from kvconnector.vllm.connector import ConnectorOptions  # noqa: E402
 from transfer.remote.redis.backend import RedisClusterBackend  # noqa: E402
-from transfer.remote.redis.local import LocalRedisCluster  # noqa: E402
 from transfer.remote.redis.values import RedisAuth, redis_key  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis, pytest.mark.usefixtures("engines_shut_down")]
@@ -51,7 +51,7 @@ def cluster_keys(cluster: LocalRedisCluster) -> int:
 
 
 def remote_failures(engine: h.Engine) -> int:
-    return sum(w.connector._worker.remote_failures for w in engine.workers)
+    return sum(w.connector._worker.failures["remote"] for w in engine.workers)
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)
@@ -71,7 +71,7 @@ def test_two_engines_share_a_prefix_through_the_cluster_bit_exact(
         assert worker.starts["b"] == [6 * BS]  # resumed after the remote load
         assert worker.prefix_checks == 6 * BS  # every fetched byte compared
     assert remote_failures(second) == 0
-    assert second.connector._remote_lookups.failures == 0
+    assert second.connector._scheduler.tier("remote").lookups.failures == 0
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)

@@ -22,6 +22,7 @@ import vllm_harness as h  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
+from kvconnector.servers.store import StoreProcess  # noqa: E402
 from kvconnector.vllm.connector import (  # noqa: E402
     ConnectorOptions,
     CrossLayerOffloadConnector,
@@ -29,7 +30,6 @@ from kvconnector.vllm.connector import (  # noqa: E402
 from kvconnector.vllm.stats import OffloadStats  # noqa: E402
 from transfer.remote.store.client import StoreClient  # noqa: E402
 from transfer.remote.store.security import Security  # noqa: E402
-from transfer.remote.store.testing import StoreProcess  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engines_shut_down")]
 
@@ -66,7 +66,7 @@ def store_stats(url: str) -> dict:
 
 
 def remote_failures(engine: h.Engine) -> int:
-    return sum(w.connector._worker.remote_failures for w in engine.workers)
+    return sum(w.connector._worker.failures["remote"] for w in engine.workers)
 
 
 @pytest.mark.parametrize(("async_scheduling", "tp", "pp", "mla"), [
@@ -233,7 +233,7 @@ def test_store_down_at_lookup_serves_from_the_cpu_tier_without_stalling(
     store.kill()
     assert engine.scheduler.reset_prefix_cache()
     poison_gpu(engine)
-    lookups = engine.connector._remote_lookups
+    lookups = engine.connector._scheduler.tier("remote").lookups
     lookups.deadline_s = DOWN_DEADLINE_S  # the first request's lookup waited for a live store
     shares_two = prompt[:2 * BS] + make_prompt(6, 2 * BS)
     fresh = make_prompt(7, 3 * BS)
@@ -273,7 +273,7 @@ def test_shared_secret_store_admits_the_engine_and_a_wrong_secret_recomputes(
                                remote_secret_file=str(tmp_path / "wrong"), **DOWN)
         run_to_completion(intruder, {"c": (prompt, 2)})
         assert intruder.workers[0].starts["c"] == [0]
-        assert intruder.connector._remote_lookups.failures == 1
+        assert intruder.connector._scheduler.tier("remote").lookups.failures == 1
         assert remote_failures(intruder) == 1  # its write-through put was refused
         with StoreClient(store.url, Security.shared_secret(tmp_path / "secret")) as client:
             stats = client.stats()

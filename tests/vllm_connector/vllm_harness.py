@@ -357,9 +357,9 @@ def on_planned_load(engine: Engine, action: Callable[[], None]) -> None:
     core = engine.connector._scheduler
     plan_load = core.plan_load
 
-    def plan_then_act(*args: object, **kwargs: object) -> tuple[int, int, int]:
+    def plan_then_act(*args: object, **kwargs: object) -> dict[str, int]:
         planned = plan_load(*args, **kwargs)
-        if planned[2]:
+        if planned.get("remote"):
             action()
         return planned
 

@@ -5,7 +5,7 @@ count, namespace), then `num_slots` slots of `data_bytes` (the block rounded up 
 slot's stride) + a 4 KiB footer. One pwritev writes a block and its footer (a run of consecutive
 slots, each block followed by its own, in one request): magic, slot number, block length, the key
 and the block's checksum, the footer sealed by its own xxh64. The checksum is the one every tier
-uses (transfer.remote.backend.block_checksum: xxh3-64 seeded by the key), so a block that already
+uses (transfer.checksums.block_checksum: xxh3-64 seeded by the key), so a block that already
 carries one (a shared pool's commit) is written without hashing it again; the read checks it
 against the bytes read all the same, so a checksum that does not match the bytes written (a pool
 copy changed after its checksum was taken) fails the read, never serves them.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import xxhash
 
-from transfer.remote.backend import block_checksum
+from transfer.checksums import block_checksum
 
 ALIGN = 4096  # O_DIRECT: buffers, lengths and offsets aligned to the logical block size (<= 4 KiB)
 FOOTER_BYTES = ALIGN

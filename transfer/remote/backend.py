@@ -22,7 +22,6 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from transfer.keys import DIGEST_BYTES, Namespace
 
@@ -42,11 +41,6 @@ class BlockStatus(str, Enum):
     SIZE = "size"  # a frame is not the size declared, or not the size of a pool block
     FULL = "full"  # put: no room without evicting blocks that are being sent
     FAILED = "failed"  # client side only: no usable reply (timeout, lost connection, refusal)
-
-
-def block_checksum(block: Any, key: bytes) -> int:
-    """xxh3-64 of a block's bytes (any buffer), seeded by its key so bytes and key are bound."""
-    return xxhash.xxh3_64_intdigest(block, seed=xxhash.xxh3_64_intdigest(key))
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ class SharedIndex:
         self.directory = directory
         self.epoch = 0
         self.segment = ""
+        self.checked = True  # other engines' workers write the same slots: blocks are checked
         self.num_slots = 0
         self.slot_bytes = 0
         self.failures = 0  # connections lost or refused
@@ -198,7 +199,7 @@ class SharedIndex:
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool],
                        sums: Sequence[Sequence[int] | None] | None = None) -> None:
         """Commit the stores; every ok key needs its block's per-rank checksums in `sums`
-        (transfer/shared/checks.py): the daemon drops a client that commits one without."""
+        (transfer/slot_checker.py): the daemon drops a client that commits one without."""
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
         self._stats.stores += sum(flags)
         self._stats.failed_stores += len(flags) - sum(flags)

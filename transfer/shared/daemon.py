@@ -47,19 +47,18 @@ from typing import Any
 
 import msgpack
 
-from kvconnector.layout.allocator import SHM_DIR, KVBuffer, allocate, unlink_shared
-from kvconnector.layout.descriptor import HOST_ALIGNMENT, KVForm, KVLayout
+from kvconnector.layout.allocator import (
+    SHM_DIR,
+    SlotBuffer,
+    allocate_slots,
+    slot_stride,
+    slots_in,
+    unlink_shared,
+)
 from transfer.shared import protocol as p
 from transfer.shared.index import SharedBlockIndex
 
 log = logging.getLogger("kvconnector.pool")
-
-
-def slot_layout(slot_bytes: int) -> KVLayout:
-    """A block-outermost layout of opaque slots of `slot_bytes` (the engines give them meaning)."""
-    return KVLayout(num_layers=1, num_kv_heads=1, head_size=slot_bytes, block_size=1,
-                    dtype="uint8", form=KVForm.MLA, order="BLNHC", alignment=HOST_ALIGNMENT)
-
 
 FD_RESERVE = 32  # descriptors besides the clients': listener, spare, selector, log, imports
 READ_BYTES = 256 << 10  # one recv
@@ -149,9 +148,13 @@ class PoolDaemon:
         os.chmod(self.path.parent, 0o700)
         self._remove_stale()
         segment = p.segment_prefix(name) + secrets.token_hex(8)
-        self.buffer: KVBuffer = allocate(slot_layout(slot_bytes), budget_bytes=capacity,
-                                         shared_name=segment)
-        self.info = p.PoolInfo(segment, self.buffer.num_blocks, slot_bytes)
+        # the engines give the slots' bytes meaning: the segment is slots of a size, page-aligned
+        num_slots = slots_in(capacity, slot_bytes)
+        if num_slots == 0:
+            raise ValueError(f"capacity {capacity} B holds no slot of {slot_bytes} B (slots are "
+                             f"{slot_stride(slot_bytes)} B apart)")
+        self.buffer: SlotBuffer = allocate_slots(num_slots, slot_bytes, shared_name=segment)
+        self.info = p.PoolInfo(segment, num_slots, slot_bytes)
         self.index = SharedBlockIndex(self.info.num_slots, slot_bytes, policy)
         self.max_clients = connection_cap(self.limits.max_clients)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

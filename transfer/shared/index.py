@@ -8,9 +8,9 @@ before a reconnect, is ignored). When a client goes (its socket closed: exit, SI
 fails its stores (their slots were being written: never readable) and drops its pins.
 
 Checksums: a writer commits each block with the xxh3-64 of every rank's part of its slot, seeded
-by its key as the remote tier does (transfer/shared/checks.py), then, from GPU ranks, each
-rank's row sum (protocol.block_sums); the index keeps the list as it is and hands it out with
-the slots a load pins, so every reader checks its part before the load is reported. The
+by its key (transfer/slot_checker.py), then, from GPU ranks, each rank's row sum
+(transfer.checksums.block_sums); the index keeps the list as it is and hands it out with the
+slots a load pins, so every reader checks its part before the load is reported. The
 daemon never hashes (its loop would cap commits near one core's hash rate).
 
 Any client may be hostile or buggy: every verb checks all it is given before it changes

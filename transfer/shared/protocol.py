@@ -70,23 +70,6 @@ class PoolInfo:
         return [self.segment, self.num_slots, self.slot_bytes]
 
 
-def block_sums(by_rank: list[list[int]], blocks: int) -> list[list[int]]:
-    """A commit's checksums, per block, from each rank's list: the xxh3-64 of every rank's part
-    (its first `blocks` entries), then every rank's row sum (transfer/copy/row_sums.py) where
-    every rank took them (its next `blocks`). The daemon keeps the lists as they are."""
-    host = [list(s) for s in zip(*(sums[:blocks] for sums in by_rank), strict=True)]
-    if all(len(sums) == 2 * blocks for sums in by_rank):
-        rows = zip(*(sums[blocks:] for sums in by_rank), strict=True)
-        return [h + list(r) for h, r in zip(host, rows, strict=True)]
-    return host
-
-
-def split_sums(sums: list[int], ranks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A block's committed checksums (`block_sums`) of an engine of `ranks` ranks -> (per-rank
-    xxh3-64s, per-rank row sums or ())."""
-    return tuple(sums[:ranks]), tuple(sums[ranks:2 * ranks]) if len(sums) == 2 * ranks else ()
-
-
 def brief(value: object) -> str:
     """A bad value for an error text or a log line: at most QUOTE_CHARS of it, with its type and
     size, never its whole repr (a client's value may be megabytes, or nested 1,000 deep)."""

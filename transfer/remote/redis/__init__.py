@@ -2,5 +2,5 @@
 
 - backend: `RedisClusterBackend`, the remote backend for `redis://` and `rediss://` URLs;
 - values: the value format (header, checksum) and URLs/auth; wire: RESP pipelines on raw sockets;
-- lanes: per-node lanes of pipelines; local, nodes, certs: local clusters for tests and benchmarks.
+- lanes: per-node lanes of pipelines.
 """

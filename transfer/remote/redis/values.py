@@ -5,7 +5,7 @@ A value is a 40-byte header, then the block's bytes:
     magic b"KVCB" | version u16 | header size u16 | namespace digest 16 B |
     payload size u64 | checksum u64                      (little-endian)
 
-The checksum is the same as the zmq store's (transfer.remote.backend.block_checksum): xxh3-64 of
+The checksum is the same as the zmq store's (transfer.checksums.block_checksum): xxh3-64 of
 the payload seeded with xxh3-64 of the block's key, so a value copied under another key, written
 by another namespace, cut short or altered fails the check and never reaches a pool slot. The
 Redis key is `kvc:` + the block's key (namespace digest + block hash), so namespaces never
@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from transfer.checksums import block_checksum
 from transfer.keys import DIGEST_BYTES
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.remote.backend import BlockStatus
 
 VALUE_VERSION = 1
 VALUE_MAGIC = b"KVCB"

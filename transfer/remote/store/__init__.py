@@ -3,5 +3,5 @@
 - protocol: the wire format; connection: one DEALER and its in-flight requests;
 - client: `StoreClient`, the remote backend for `tcp://` URLs;
 - server: `StoreServer` (a ROUTER thread) over memory: `BlockStore`, its blocks in RAM;
-- security: none / shared secret / CURVE via zmq.auth; testing: a server in its own process.
+- security: none / shared secret / CURVE via zmq.auth.
 """

@@ -35,14 +35,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
+from transfer.checksums import block_checksum
 from transfer.keys import Namespace
-from transfer.remote.backend import (
-    BlockStatus,
-    RemoteBackend,
-    TransferResult,
-    block_checksum,
-    check_positive,
-)
+from transfer.remote.backend import BlockStatus, RemoteBackend, TransferResult, check_positive
 from transfer.remote.store.connection import Complete, Connection, Exchange, StoreError
 from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.lanes import Lanes, default_connections, spread_batch

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from transfer.remote.backend import block_checksum
+from transfer.checksums import block_checksum
 from transfer.remote.store.protocol import Request
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transfer.remote.backend import BlockStatus, TransferResult, block_checksum
+from transfer.checksums import block_checksum
+from transfer.remote.backend import BlockStatus, TransferResult
 from transfer.remote.store.connection import Exchange
 
 STORE_STATUS_TEXT = {

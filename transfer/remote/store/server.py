@@ -34,7 +34,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer.remote.backend import BlockStatus, block_checksum
+from transfer.checksums import block_checksum
+from transfer.remote.backend import BlockStatus
 from transfer.remote.store.admission import (
     CHECK_INTERVAL_S,
     CONNECTION_EVENTS,

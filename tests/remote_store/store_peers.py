@@ -1,79 +1,14 @@
-"""Test helpers: a store server in a child process (start, SIGKILL, restart) and bare peers.
-
-StoreProcess runs `python -m kvconnector.cli.store store serve ...` (the `kvconnector store serve`
-command without the torch import) on a free loopback port; the child's log goes to a file.
-"""
+"""Bare peers of a store in tests: a DEALER that may mis-speak the protocol, and ZMTP by hand."""
 
 from __future__ import annotations
 
-import os
-import re
-import select
 import socket
 import struct
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import zmq
 
 from transfer.remote.store.security import Security
-from transfer.testing import ChildServer
-
-_LISTENING = re.compile(r"listening on (tcp://\S+)")
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
-_LIMITED_FDS = ("import resource, runpy, sys; "
-                "resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
-                "sys.argv[:2] = [sys.argv[1]]; "
-                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
-START_TIMEOUT_S = 120.0  # the CLI imports torch: on a loaded 2-core machine that took 30 s
-
-
-class StoreProcess(ChildServer):
-    """One store server process; `url` stays the same across `kill()` and `start()`."""
-
-    def __init__(self, log_path: str | Path, capacity: str = "256MiB",
-                 security_args: tuple[str, ...] = ("--security", "none"),
-                 extra_args: tuple[str, ...] = (), fd_limit: int | None = None) -> None:
-        self.log_path = Path(log_path)
-        self.fd_limit = fd_limit  # the child's RLIMIT_NOFILE, soft and hard (None: inherited)
-        self.capacity = capacity
-        self.security_args = tuple(security_args)
-        self.extra_args = tuple(extra_args)
-        self.url: str | None = None
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> str:
-        """Start the server (on the same port as before, after a kill); returns its URL."""
-        if self.process is not None:
-            self.process.stdout.close()  # the previous run's pipe
-        listen = self.url or "tcp://127.0.0.1:*"
-        command = [sys.executable, "-m", "kvconnector.cli.store", "store", "serve", "--listen",
-                   listen, "--capacity", self.capacity, *self.security_args, *self.extra_args]
-        if self.fd_limit:  # the same module, run after lowering the descriptor limit
-            command[1:3] = ["-c", _LIMITED_FDS.format(limit=self.fd_limit),
-                            "kvconnector.cli.store"]
-        # the child imports this very `transfer` package, wherever the parent found it
-        path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
-                                            env={**os.environ, "PYTHONPATH": path,
-                                                 "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            readable, _, _ = select.select([self.process.stdout], [], [], 0.2)
-            if readable:
-                line = self.process.stdout.readline().decode()
-                match = _LISTENING.search(line)
-                if match:
-                    self.url = match.group(1)
-                    return self.url
-            if self.process.poll() is not None:
-                break
-        self.kill()
-        raise RuntimeError(f"store server did not start: {' '.join(command)}; log:\n"
-                           f"{self.log_path.read_text(errors='replace')[-4000:]}")
 
 
 class RawPeer:

@@ -9,13 +9,15 @@ cluster.
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
+from kvconnector.servers.child import ChildServer
+
 HOST = "127.0.0.1"
-STOP_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 15.0
 
 
 def free_ports(count: int) -> list[int]:
@@ -64,70 +66,77 @@ def node_config(port: int, bus_port: int, node_dir: Path, *, node_timeout_ms: in
     return "\n".join(lines) + "\n"
 
 
+class RedisNode(ChildServer):
+    """One redis-server process, run from the config file in its own directory; the cluster
+    says when it is ready (it answers PING)."""
+
+    start_timeout_s = START_TIMEOUT_S
+
+    def __init__(self, server: str, index: int, node_dir: Path) -> None:
+        super().__init__(node_dir / "redis.log", cwd=node_dir)
+        self.label = f"redis-server node {index}"
+        self.server = server
+        self.config_file = node_dir / "redis.conf"
+
+    def command(self) -> list[str]:
+        # only the config path on the command line: the password stays in the 0600 file
+        return [self.server, str(self.config_file)]
+
+
 class NodeProcesses:
-    """`count` redis-server processes, by node index; a killed or unstarted node is None or
-    exited."""
+    """`count` redis-server processes, by node index; a killed or unstarted node is not
+    running."""
 
     def __init__(self, server: str, count: int, root: Path) -> None:
         self.server = server
         self.root = root
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
+        self.nodes = [RedisNode(server, index, self.node_dir(index)) for index in range(count)]
 
     def __len__(self) -> int:
-        return len(self.procs)
+        return len(self.nodes)
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes] | None]:
+        """Each node's latest process (None: never started)."""
+        return [node.process for node in self.nodes]
 
     def node_dir(self, index: int) -> Path:
         return self.root / f"node{index}"
 
     def spawn(self, index: int, config: str) -> None:
-        """Write the node's config and start it (no wait: the caller pings it)."""
+        """Write the node's config and start it (no wait: see `wait_ready`)."""
         node_dir = self.node_dir(index)
         node_dir.mkdir(mode=0o700, exist_ok=True)
         config_file = node_dir / "redis.conf"
         config_file.touch(mode=0o600)  # holds the password
         config_file.write_text(config)
-        with (node_dir / "redis.log").open("ab") as log:
-            # only the config path on the command line: the password stays in the 0600 file
-            self.procs[index] = subprocess.Popen(
-                [self.server, str(config_file)], cwd=node_dir, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT)
+        self.nodes[index].launch()
+
+    def wait_ready(self, index: int, answers: Callable[[], bool]) -> None:
+        """Wait until `answers()` (the node's PING); RuntimeError with its log if it exits
+        first or takes over START_TIMEOUT_S (the node is killed)."""
+        self.nodes[index].wait_ready(answers)
 
     def running(self, index: int) -> bool:
-        proc = self.procs[index]
-        return proc is not None and proc.poll() is None
+        return self.nodes[index].running()
 
     def live(self) -> list[int]:
-        return [i for i in range(len(self.procs)) if self.running(i)]
+        return [i for i in range(len(self.nodes)) if self.running(i)]
 
     def pid(self, index: int) -> int:
-        proc = self.procs[index]
-        if proc is None:
-            raise RuntimeError(f"node {index} was never started")
-        return proc.pid
+        return self.nodes[index].pid
 
     def kill(self, index: int) -> None:
         """SIGKILL one node and wait for the process to be gone (no-op if already down)."""
-        proc = self.procs[index]
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(STOP_TIMEOUT_S)
+        self.nodes[index].kill()
 
     def log_tail(self, index: int, lines: int = 30) -> str:
-        try:
-            text = (self.node_dir(index) / "redis.log").read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+        return self.nodes[index].log_tail(lines)
 
     def stop(self) -> None:
-        """SIGTERM every running node, SIGKILL what outlives STOP_TIMEOUT_S, remove the dir."""
-        running = [p for p in self.procs if p is not None and p.poll() is None]
-        for proc in running:
-            proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(STOP_TIMEOUT_S)
+        """SIGTERM every running node, SIGKILL what outlives its stop timeout, remove the dir."""
+        for node in self.nodes:
+            node.terminate()  # all at once: they shut down side by side
+        for node in self.nodes:
+            node.stop()
         shutil.rmtree(self.root, ignore_errors=True)

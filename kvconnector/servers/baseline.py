@@ -8,18 +8,15 @@
   `capacity` bytes of put frames (its memory churns like the store's) and answers a get of n
   blocks with the next n of them in turn, zero-copy and tracked as the store sends; in a
   thread where the store is in-process (`kvconnector bench`), or in a process of its own
-  (`RawServerProcess`, `python -m transfer.remote.store.baseline`) where the store is one.
+  (`RawServerProcess`, `python -m kvconnector.servers.baseline`) where the store is one.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import select
-import subprocess
+import re
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -28,12 +25,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from kvconnector.servers.child import ChildServer
 from transfer.remote.store.heap import keep_received_memory
 from transfer.remote.store.lanes import deal, spread_batch, start_zero_copy_collector
 from transfer.remote.store.security import Security, SecurityMode
 
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])
-START_TIMEOUT_S = 30.0
 _SNDMORE = int(zmq.SNDMORE)
 MAX_GET_BLOCKS = 4096  # as the store's limit of keys per request
 
@@ -184,44 +180,28 @@ def _get_count(op: bytes) -> int | None:
     return count if 0 < count <= MAX_GET_BLOCKS else None
 
 
-class RawServerProcess:
+class RawServerProcess(ChildServer):
     """The baseline server in a child process; `url` once started. Puts must precede gets."""
+
+    label = "raw baseline server"
+    ready_line = re.compile(r"^listening on (\S+)")
+    start_timeout_s = 30.0
 
     def __init__(self, security: Security, capacity: int, io_threads: int,
                  listen: str = "tcp://127.0.0.1:*") -> None:
-        self.command = [sys.executable, "-m", "transfer.remote.store.baseline", "--listen",
-                        listen, "--capacity", str(capacity), "--io-threads", str(io_threads),
-                        *security_args(security)]
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(None)  # its few lines go to this process's output
+        self.args = ["--listen", listen, "--capacity", str(capacity), "--io-threads",
+                     str(io_threads), *security_args(security)]
         self.url: str | None = None
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "kvconnector.servers.baseline", *self.args]
+
     def start(self) -> str:
-        path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE,
-                                        env={**os.environ, "PYTHONPATH": path,
-                                             "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if select.select([self.process.stdout], [], [], 0.2)[0]:
-                line = self.process.stdout.readline().decode()
-                if line.startswith("listening on "):
-                    self.url = line.split()[-1]
-                    return self.url
-        self.stop()
-        raise RuntimeError(f"the raw baseline server did not start: {' '.join(self.command)}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            self.process.stdout.close()
-
-    def __enter__(self) -> RawServerProcess:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        match = super().start()
+        assert match is not None  # a ready line was asked for
+        self.url = match.group(1)
+        return self.url
 
 
 def security_args(security: Security) -> list[str]:
@@ -236,7 +216,7 @@ def security_args(security: Security) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m transfer.remote.store.baseline",
+    parser = argparse.ArgumentParser(prog="python -m kvconnector.servers.baseline",
                                      description="the raw pyzmq baseline server")
     parser.add_argument("--listen", default="tcp://127.0.0.1:*")
     parser.add_argument("--capacity", type=int, required=True)

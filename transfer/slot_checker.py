@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from transfer.remote.backend import block_checksum
+from transfer.checksums import block_checksum
 
 MAX_THREADS = 8
 

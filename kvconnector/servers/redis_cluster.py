@@ -1,4 +1,4 @@
-"""A real local Redis Cluster (Debian's redis-server) for tests and benchmarks.
+"""A real local Redis Cluster (Debian's redis-server) for the tests, the bench and examples.
 
 LocalRedisCluster starts `masters` redis-server processes on free 127.0.0.1 ports in a private
 temp dir, forms a cluster with the slots split evenly over them (and `replicas` replicas of each
@@ -30,10 +30,9 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.retry import Retry
 
-from transfer.remote.redis import certs as redis_certs
-from transfer.remote.redis.nodes import HOST, NodeProcesses, free_ports, node_config
+from kvconnector.servers import certs as redis_certs
+from kvconnector.servers.redis_nodes import HOST, NodeProcesses, free_ports, node_config
 
-START_TIMEOUT_S = 15.0
 CONVERGE_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 
@@ -268,22 +267,16 @@ class LocalRedisCluster:
                     shutil.rmtree(self._nodes.node_dir(index))  # its nodes.conf names the old ports
 
     def _wait_ready(self, index: int) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
         client = self.node_client(index, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except (redis.ConnectionError, redis.TimeoutError):
+                return False
+
         try:
-            while True:
-                if not self._nodes.running(index):
-                    raise RuntimeError(f"redis-server node {index} exited during startup; "
-                                       f"log:\n{self.log_tail(index)}")
-                try:
-                    if client.ping():
-                        return
-                except (redis.ConnectionError, redis.TimeoutError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server node {index} not answering PING after "
-                                       f"{START_TIMEOUT_S:.0f} s; log:\n{self.log_tail(index)}")
-                time.sleep(_POLL_S)
+            self._nodes.wait_ready(index, answers)
         finally:
             client.close()
 
