@@ -212,11 +212,10 @@ class LoadPlanner:
         for name, blocks in split.items():
             if name != POOL:
                 self._counters.add(name, {"hit_tokens": blocks * self.block_size})
-        job_id = self._add_job(state, req_id, False, keys, start)
         plan = self.index.prepare_load(keys)
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, fetches = [], []
-            self._jobs[job_id].keys = []
+        job_id = self._add_job(state, req_id, False, keys, start)
         slots, fail = ([], True) if plan is None else (list(plan.slots), False)
         split_by_rank = [] if plan is None or not self.checked else \
             [split_sums(s, self.num_workers) for s in plan.sums]
@@ -243,23 +242,23 @@ class LoadPlanner:
         planned (no room, a key on its way, a tier lost a key), reserving nothing."""
         wanted = [key for _, keys in fetches for key in keys]
         reserved = self.index.prepare_store(wanted)
-        self._write_evicted(reserved)
-        if reserved.keys != wanted:  # no room, or a key on its way: give up
-            self.index.complete_store(reserved.keys, False)
-            return None
         ops: list[TierOp] = []
-        at = 0
-        for tier, keys in fetches:
-            op = tier.plan_fetch(job_id, keys, reserved.slots[at:at + len(keys)],
-                                 self.index.segment)
-            if op is None:
-                for done, (planned, _) in zip(ops, fetches, strict=False):
-                    planned.complete_fetch(job_id, done.keys, ())
-                self.index.complete_store(reserved.keys, False)
-                return None
-            ops.append(op)
-            at += len(keys)
-        return ops
+        if reserved.keys == wanted:  # else no room, or a key on its way: give up
+            at = 0
+            for tier, keys in fetches:  # pinned below before the evicted blocks go there
+                op = tier.plan_fetch(job_id, keys, reserved.slots[at:at + len(keys)],
+                                     self.index.segment)
+                if op is None:
+                    break
+                ops.append(op)
+                at += len(keys)
+        self._write_evicted(reserved)  # the pool dropped them whatever happens to the fetch
+        if len(ops) == len(fetches):
+            return ops
+        for op, (tier, _) in zip(ops, fetches, strict=False):
+            tier.complete_fetch(job_id, op.keys, ())
+        self.index.complete_store(reserved.keys, False)
+        return None
 
     def _group_load(self, block_hashes: Sequence[bytes], tables: Sequence[Sequence[int]],
                     start: int, hit_blocks: int

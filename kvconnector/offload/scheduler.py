@@ -236,7 +236,8 @@ class OffloadScheduler(LoadPlanner):
                 self._jobs[job_id].sums.update(ranks)
         for op_id, keys in report.bad.items():
             if op_id in self._jobs or op_id in self._writes:
-                self._bad.setdefault(op_id, []).extend(keys)
+                known = self._bad.setdefault(op_id, [])  # ranks report the same key apart
+                known += [key for key in keys if key not in known]
         for write_id, count in report.written.items():
             write = self._writes.get(write_id)
             if write is None or not 0 < count <= write.pending:
@@ -308,16 +309,22 @@ class OffloadScheduler(LoadPlanner):
         if self.checked:  # the xxh3s: what a tier may keep to check the bytes it returns
             sums = [list(s) for s in zip(*(job.sums[r][:len(job.keys)]
                                            for r in range(self.num_workers)), strict=True)]
-        for tier in self.tiers:
-            if not tier.writes_stored:
-                continue
-            plan = self.index.prepare_load(job.keys)
+        writers = [tier for tier in self.tiers if tier.writes_stored]
+        if not writers:
+            return
+        # A reset while the store ran left its keys draining: those are not written.
+        keys = [key for key, held in zip(job.keys, self.index.present(job.keys), strict=True)
+                if held]
+        if sums is not None:
+            sums = [s for s, key in zip(sums, job.keys, strict=True) if key in set(keys)]
+        for tier in writers:
+            plan = self.index.prepare_load(keys) if keys else None
             if plan is None:
                 return
-            written = self._write(tier, job.keys, plan.slots, evicted=False, pinned=True,
+            written = self._write(tier, keys, plan.slots, evicted=False, pinned=True,
                                   sums=sums)
-            if len(written) < len(job.keys):
-                self.index.complete_load([k for k in job.keys if k not in written])
+            if len(written) < len(keys):
+                self.index.complete_load([k for k in keys if k not in written])
 
     def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;

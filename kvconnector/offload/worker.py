@@ -194,14 +194,14 @@ class OffloadWorker:
         if not step.flush or self.engine is None:
             return
         flush = set(step.flush)
-        if any(is_store and job.job_id in flush for is_store, job in self._waiting):
-            self._wait_writes()
+        behind = {slot for is_store, job in self._waiting if is_store and job.job_id in flush
+                  for slot in job.slots}
+        if behind:  # only the writes those stores wait for (a remote put may take seconds)
+            for name, tier in self.tiers.items():
+                tier.wait([op_id for op_id, (op, slots) in self._writing.items()
+                           if op.tier == name and not slots.isdisjoint(behind)])
             self._poll_tiers()
         self.engine.wait(step.flush)
-
-    def _wait_writes(self) -> None:
-        for name, tier in self.tiers.items():
-            tier.wait([op_id for op_id, (op, _) in self._writing.items() if op.tier == name])
 
     def start_loads(self, step: StepJobs) -> None:
         for name in step.erase:  # reset_cache: rare, and writes in flight must not outlive it

@@ -129,7 +129,12 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             if self.options.pool:
                 index = self._pool_index = SharedIndex(self.options.pool, tiers.namespace,
                                                        tiers.slot_bytes * world_size)
-            planners = tiers.planners(vllm_config, self.options.eviction)
+            try:
+                planners = tiers.planners(vllm_config, self.options.eviction)
+            except BaseException:
+                if index is not None:
+                    index.close()
+                raise
             try:
                 self._scheduler = OffloadScheduler(
                     tiers.namespace, index.num_slots if index else tiers.num_slots,
@@ -138,6 +143,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             except BaseException:
                 for planner in planners:
                     planner.close()
+                if index is not None:
+                    index.close()
                 raise
 
     @property

@@ -82,23 +82,22 @@ class _ConnectorKeys:
                              f"worker's pool is held in RAM")
         if options.pool is not None:
             check_name(options.pool)
+        for spec in registered_tiers():
+            if extra.get(spec.enabled_by) is None:
+                given = sorted(k for k in spec.options if extra.get(k) is not None)
+                if given:
+                    raise ValueError(f"{given} given without {spec.enabled_by}")
         settings = options.tier_settings()  # each enabled tier's keys checked together
         _check_across(options, settings)
         return options
 
     def tier_settings(self) -> dict[str, Any]:
-        """Each enabled tier's settings, by name, in the order the tiers are asked; a tier's
-        key given without the one that enables it is refused."""
+        """Each enabled tier's settings, by name, in the order the tiers are asked."""
         out = {}
         for spec in registered_tiers():
             values = {key: getattr(self, key) for key in spec.options}
-            if values[spec.enabled_by] is None:
-                given = sorted(key for key, value in values.items()
-                               if value is not None and value != spec.options[key].default)
-                if given:
-                    raise ValueError(f"{given} given without {spec.enabled_by}")
-                continue
-            out[spec.name] = spec.settings(values)
+            if values[spec.enabled_by] is not None:
+                out[spec.name] = spec.settings(values)
         return out
 
 

@@ -24,6 +24,7 @@ from test_offload_worker import (
     run_step,
 )
 
+from kvconnector.offload.jobs import JobReport
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from transfer.disk.io import DiskIO
@@ -281,3 +282,47 @@ def test_reset_erases_the_disk_so_a_restart_finds_nothing(disk: Path) -> None:
         assert len(core.tier("disk").index) == 1 and core.tier("disk").index.contains(NS.key(b"c0"))
     finally:
         worker.close()
+
+
+# -- the scheduler core alone: corners a real engine hits by chance ------------------------------
+def test_a_disk_hit_is_pinned_before_the_pool_writes_its_victims_there() -> None:
+    # Pool of one slot holding b0, disk of one slot holding a0 (write-back). Loading a0 evicts
+    # b0 from the pool, whose write-back wants the disk's only slot: a0 is pinned first, so b0 is
+    # not placed and the load reads a0 (before, b0's write evicted a0 and the load failed).
+    a0, b0 = NS.key(b"a0"), NS.key(b"b0")
+    core = OffloadScheduler(NS, 1, BS, 1, tiers=[DiskPlanner(NS, 1, "lru", "evict", {a0: 0})])
+    core.plan_stores("b", [b"b0"], [0], BS)
+    (store,) = core.build_step().stores
+    core.complete(JobReport(done={store.job_id: 1}))
+    assert core.lookup("a", [b"a0"], 0, BS + 1) == BS
+    assert core.plan_load("a", [b"a0"], [3], BS) == {"disk": 1}
+    step = core.build_step()
+    (load,) = step.loads
+    assert not load.fail and [op.keys for op in load.fetches] == [(a0,)]
+    assert step.writes == []  # b0 found no disk slot: it is gone, a0 stays
+    core.complete(JobReport(done={load.job_id: 1}))
+    assert core.tier("disk").index.contains(a0) and core.index.contains(a0)
+    assert not core.index.contains(b0) and not core.tier("disk").index.contains(b0)
+
+
+def test_a_bad_disk_block_reported_by_every_rank_in_turn_is_dropped_once() -> None:
+    a0 = NS.key(b"a0")
+    core = OffloadScheduler(NS, 4, BS, 2, tiers=[DiskPlanner(NS, 4, "lru", "evict", {a0: 0})])
+    assert core.lookup("a", [b"a0"], 0, BS + 1) == BS
+    core.plan_load("a", [b"a0"], [3], BS)
+    (load,) = core.build_step().loads
+    for _ in range(2):  # rank 0, then rank 1 a step later, each with the same bad key
+        core.complete(JobReport(failed={load.job_id: 1}, bad={load.job_id: [a0]}))
+    counters = core.take_counters()
+    assert (counters.disk_failed_reads, counters.failed_loads) == (1, 1)
+    assert not core.tier("disk").index.contains(a0) and not core.has_jobs()
+
+
+def test_a_reset_during_a_store_writes_nothing_through() -> None:
+    core = OffloadScheduler(NS, 4, BS, 1, tiers=[DiskPlanner(NS, 4, "lru", "through")])
+    core.plan_stores("a", [b"a0", b"a1"], [0, 1], 2 * BS)
+    step = core.build_step()
+    core.reset()  # reset_cache while the store copies: its keys drain, none may come back
+    core.complete(JobReport(done={step.stores[0].job_id: 1}))
+    assert core.build_step().writes == [] and not core.has_jobs()
+    assert core.lookup("b", [b"a0", b"a1"], 0, 2 * BS + 1) == 0

@@ -282,6 +282,7 @@ def test_shared_secret_store_admits_the_engine_and_a_wrong_secret_recomputes(
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"remote_only": True}, "without remote_url"),
+    ({"remote_only": False, "remote_security": "none"}, "without remote_url"),  # defaults too
     ({"remote_url": "tcp://127.0.0.1:1", "remote_security": "secret"},
      "needs remote_secret_file"),
     ({"remote_url": "tcp://127.0.0.1:1", "remote_security": "curve"}, "remote_curve_key_pair"),
