@@ -101,16 +101,15 @@ class JobReport:
         for op_id, keys in other.bad.items():
             bad[op_id] = bad.get(op_id, []) + [k for k in keys if k not in bad.get(op_id, ())]
         totals = [getattr(self, name) + getattr(other, name) for name in _TOTALS]
-        tiers = {tier: dict(counts) for tier, counts in self.tiers.items()}
-        for tier, their in other.tiers.items():
-            mine = tiers.setdefault(tier, {})
-            for name, value in their.items():
-                mine[name] = mine.get(name, 0) + value
         sums = {job: dict(ranks) for job, ranks in self.sums.items()}
         for job_id, ranks in other.sums.items():
             sums.setdefault(job_id, {}).update(ranks)
         failures = self.checksum_failures + other.checksum_failures
-        return JobReport(*counts, bad, *totals, tiers, sums, failures)
+        out = JobReport(*counts, bad, *totals, {}, sums, failures)
+        for report in (self, other):
+            for tier, tier_counts in report.tiers.items():
+                out.count(tier, tier_counts)
+        return out
 
     def is_empty(self) -> bool:
         """Nothing to send (a report of tier counts or bad keys alone is not empty)."""

@@ -51,6 +51,7 @@ class LoadPlanner:
     _jobs: dict[int, Job]
     _writes: dict[int, Write]
     _next_job_id: int
+    _resets: int
     _step: StepJobs
     _counters: OffloadCounters
 
@@ -128,15 +129,15 @@ class LoadPlanner:
         keys = [self._keys(group, hashes) for group in self.groups]
         flat = [key for group_keys in keys for key in group_keys]
         pooled = self.index.present(flat)
-        below = self._below([k for k, ok in zip(flat, pooled, strict=True) if not ok])
-        held_below = iter(where is not None for where in below)
-        flags = [(True, False) if ok else (next(held_below),) * 2 for ok in pooled]
+        below = iter(self._below([k for k, ok in zip(flat, pooled, strict=True) if not ok]))
+        # per key: held in a tier below (a fetch); None where the pool holds it
+        fetch = [None if ok else next(below) is not None for ok in pooled]
         runs, fetch_sums = [], []  # per group: blocks held ending at each position; fetch counts
         for i in range(len(keys)):
             run, counts, fetched, fetches = 0, [], 0, [0]
-            for held, from_below in flags[i * len(hashes):(i + 1) * len(hashes)]:
-                run = run + 1 if held else 0
-                fetched += from_below
+            for from_below in fetch[i * len(hashes):(i + 1) * len(hashes)]:
+                run = run + 1 if from_below is not False else 0
+                fetched += bool(from_below)
                 counts.append(run)
                 fetches.append(fetched)
             runs.append(counts)
@@ -323,6 +324,6 @@ class LoadPlanner:
         job_id = self._next_job_id
         self._next_job_id += 1
         self._jobs[job_id] = Job(req_id, is_store, keys, start_block, self.num_workers,
-                                  self.index.epoch)
+                                  self.index.epoch, self._resets)
         state.jobs.add(job_id)
         return job_id

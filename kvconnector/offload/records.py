@@ -54,6 +54,7 @@ class Job:
     start_block: int  # index in the request's block table of the first block
     pending: int  # workers yet to report
     epoch: int  # the index's epoch when planned
+    resets: int  # the scheduler's reset count when planned
     failed: bool = False
     fetches: list[tuple[str, list[bytes]]] = field(default_factory=list)  # load: per tier
     # a checked pool's store (or fetch): rank -> checksums of the blocks it wrote

@@ -103,6 +103,7 @@ class OffloadScheduler(LoadPlanner):
         self._counters = OffloadCounters()
         self._evictions_seen = 0
         self._closing = False
+        self._resets = 0  # reset() calls: a store planned before one writes nothing through
 
     # ---- store planning (lookups and loads: loads.py) --------------------------------------
 
@@ -279,8 +280,8 @@ class OffloadScheduler(LoadPlanner):
             elif live:
                 self.index.complete_store(job.keys, not job.failed)
             self._counters.failed_stores += job.failed
-            if not job.failed and live:
-                self._write_stored(job)
+            if not job.failed and live and job.resets == self._resets:
+                self._write_stored(job)  # a reset since left its keys draining: not written
         else:
             fetched = [key for _, keys in job.fetches for key in keys]
             if live:
@@ -309,22 +310,16 @@ class OffloadScheduler(LoadPlanner):
         if self.checked:  # the xxh3s: what a tier may keep to check the bytes it returns
             sums = [list(s) for s in zip(*(job.sums[r][:len(job.keys)]
                                            for r in range(self.num_workers)), strict=True)]
-        writers = [tier for tier in self.tiers if tier.writes_stored]
-        if not writers:
-            return
-        # A reset while the store ran left its keys draining: those are not written.
-        keys = [key for key, held in zip(job.keys, self.index.present(job.keys), strict=True)
-                if held]
-        if sums is not None:
-            sums = [s for s, key in zip(sums, job.keys, strict=True) if key in set(keys)]
-        for tier in writers:
-            plan = self.index.prepare_load(keys) if keys else None
+        for tier in self.tiers:
+            if not tier.writes_stored:
+                continue
+            plan = self.index.prepare_load(job.keys)
             if plan is None:
                 return
-            written = self._write(tier, keys, plan.slots, evicted=False, pinned=True,
+            written = self._write(tier, job.keys, plan.slots, evicted=False, pinned=True,
                                   sums=sums)
-            if len(written) < len(keys):
-                self.index.complete_load([k for k in keys if k not in written])
+            if len(written) < len(job.keys):
+                self.index.complete_load([k for k in job.keys if k not in written])
 
     def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
         """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;
@@ -347,6 +342,7 @@ class OffloadScheduler(LoadPlanner):
     def reset(self) -> None:
         """Forget every stored block (jobs in flight finish; their slots drain)."""
         self.index.clear()
+        self._resets += 1
         for tier in self.tiers:  # and below, or a restart would find them again
             if tier.reset():
                 self._step.erase.append(tier.name)

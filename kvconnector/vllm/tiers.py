@@ -8,6 +8,7 @@ contexts its two parts are made with. Configurations the tiers cannot serve are 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from kvconnector.vllm.namespace import (
 from kvconnector.vllm.options import ConnectorOptions
 from transfer.keys import Namespace
 from transfer.registry import tier_spec
-from transfer.tier import PlannerContext, TierPlanner, TierWorker, WorkerContext
+from transfer.tier import PlannerContext, TierPlanner, TierSpec, TierWorker, WorkerContext
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,8 +51,7 @@ class EngineTiers:
             self.namespace, parallel.world_size, self.slot_bytes, eviction,
             tuple(own_namespace(self.namespace, rank, parallel.tensor_parallel_size)
                   for rank in range(parallel.world_size)))
-        return _made([lambda name=name, settings=settings: tier_spec(name).make_planner(
-            settings, context) for name, settings in self.settings.items()])
+        return self._made(lambda spec, settings: spec.make_planner(settings, context))
 
     def workers(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                 part_bytes: int) -> list[TierWorker]:
@@ -62,20 +62,20 @@ class EngineTiers:
         context = WorkerContext(parallel.rank, part_bytes, self.slot_bytes,
                                 own_namespace(self.namespace, parallel.rank,
                                               parallel.tensor_parallel_size), common, writes)
-        return _made([lambda name=name, settings=settings: tier_spec(name).make_worker(
-            settings, context) for name, settings in self.settings.items()])
+        return self._made(lambda spec, settings: spec.make_worker(settings, context))
 
-
-def _made(factories: list) -> list:
-    made = []
-    try:
-        for make in factories:
-            made.append(make())
-    except BaseException:
-        for part in made:
-            part.close()
-        raise
-    return made
+    def _made(self, make: Callable[[TierSpec, Any], Any]) -> list[Any]:
+        """`make(spec, settings)` for every tier that is on, in order; those made are closed
+        again if one fails."""
+        made: list[Any] = []
+        try:
+            for name, settings in self.settings.items():
+                made.append(make(tier_spec(name), settings))
+        except BaseException:
+            for part in made:
+                part.close()
+            raise
+        return made
 
 
 def plan_tiers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
