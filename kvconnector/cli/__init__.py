@@ -11,6 +11,7 @@ from kvconnector import __version__
 _SUBCOMMANDS = {
     "backends": "kvconnector.cli.backends",
     "bench": "kvconnector.bench",
+    "events": "kvconnector.cli.events",
     "pool": "kvconnector.cli.pool",
     "store": "kvconnector.cli.store",
 }

@@ -22,8 +22,10 @@ then copies them to the GPU with the pool's own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from kvconnector.offload.admission import Admission
+from kvconnector.offload.events import BlockLog
 from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import StepJobs, TransferJob
 from kvconnector.offload.records import Job, Lookup, OffloadCounters, RequestState, Write
@@ -46,6 +48,9 @@ class LoadPlanner:
     index: PoolIndex
     tiers: tuple[TierPlanner, ...]
     checked: bool  # the pool's blocks carry checksums
+    admission: Admission  # a request's max_load_tokens
+    _not_wanted: Callable[[str], None]  # prefetch.py's
+    _prefetch_wait: Callable[[Sequence[bytes]], tuple[bool, int]]
     _requests: dict[str, RequestState]
     _lookups: dict[str, Lookup]  # request -> its last lookup
     _jobs: dict[int, Job]
@@ -54,6 +59,7 @@ class LoadPlanner:
     _resets: int
     _step: StepJobs
     _counters: OffloadCounters
+    events: BlockLog | None  # KV events on: what becomes loadable and what stops
 
     # ---- lookups (no side effects on the tier) -------------------------------------------
 
@@ -84,6 +90,7 @@ class LoadPlanner:
         # leave vLLM one token to compute (decode-shaped), whose logprobs differ from the
         # prefill that produced the stored blocks.
         end = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        end = self.admission.load_end(req_id, start, end)  # the request's max_load_tokens
         hashes = list(block_hashes[start:end])
         if len(self.groups) > 1:
             hits = self._group_hits(start, hashes)
@@ -94,6 +101,13 @@ class LoadPlanner:
         lookup = Lookup(start, len(hashes), hits, keys[hits:])
         room = max(0, self.index.num_reclaimable - hits)  # slots to fetch into, past the pins
         rest, total = lookup.rest, hits
+        if self.tiers and rest:  # a fetch must not cover a key the pool holds past a hole:
+            held = self.index.present(rest)  # it could not reserve a slot for it, and fail
+            rest = rest[:held.index(True)] if True in held else rest
+            wait, ask = self._prefetch_wait(rest)  # blocks being fetched ahead (prefetch.py)
+            if wait:
+                return None
+            rest = rest[:ask]
         for tier in self.tiers:
             if not rest or not room:
                 break
@@ -174,6 +188,7 @@ class LoadPlanner:
         and misses. Returns the blocks each source serves: POOL, then each tier by name (those
         serving none left out)."""
         tables = self._tables(block_ids)
+        self._not_wanted(req_id)  # scheduled: its own load takes over from a prefetch
         lookup = self._lookups.pop(req_id, None) or Lookup(0, 0, 0, [])
         start, asked = lookup.start, lookup.asked
         hit_blocks, rest = divmod(num_external_tokens, self.block_size)
@@ -224,6 +239,8 @@ class LoadPlanner:
         if not all(row_sums):
             row_sums = ()  # checked by xxh3 unless every block carries row sums
         ops = self._plan_fetches(job_id, fetches) if fetches else None
+        if ops and self.events is not None:
+            self.events.planned(req_id, [key for op in ops for key in op.keys])
         if ops is None and fetches:
             fail = True
         elif ops:
@@ -297,6 +314,8 @@ class LoadPlanner:
         theirs)."""
         if not plan.evicted:
             return
+        if self.events is not None:  # a shared pool's other engines' keys: none announced
+            self.events.removed(POOL, plan.evicted)
         own = [(k, s) for k, s in zip(plan.evicted, plan.evicted_slots, strict=True)
                if self.namespace.owns(k)]
         for tier in self.tiers:
@@ -311,8 +330,12 @@ class LoadPlanner:
         Returns the keys written."""
         op = tier.plan_write(self._next_job_id, keys, slots, evicted=evicted,
                              segment=self.index.segment, sums=sums)
+        if self.events is not None and tier.track_drops:
+            self.events.removed(tier.name, tier.take_dropped())  # its room for these
         if op is None:
             return set()
+        if self.events is not None:
+            self.events.write_planned(op.op_id, tier.name, op.keys)
         self._next_job_id += 1
         self._writes[op.op_id] = Write(tier.name, list(op.keys) if pinned else [],
                                        self.num_workers, self.index.epoch)

@@ -20,6 +20,9 @@ class OffloadCounters:
     failed_stores: int = 0
     evictions: int = 0
     unplaced_blocks: int = 0  # blocks not stored: every slot busy
+    threshold_skipped_blocks: int = 0  # not stored: prefix offered under store_threshold times
+    shed_blocks: int = 0  # not stored: max_store_blocks_in_flight reached (backpressure)
+    prefetched_blocks: int = 0  # fetched from a tier into the pool ahead of a waiting request
     checksum_failures: int = 0  # loads refused: a checked pool's block checksum differed
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
     # per tier below the pool: its hit_tokens (of hit_tokens, served from it) and its own counts

@@ -36,9 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvconnector.offload.admission import Admission, AdmissionRules, RequestLimits, shed
+from kvconnector.offload.events import BlockChange, BlockLog, Describe
 from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
 from kvconnector.offload.loads import POOL, LoadPlanner
+from kvconnector.offload.prefetch import PrefetchPlanner, PrefetchRules
 from kvconnector.offload.records import Job, OffloadCounters, RequestState
 from transfer.block_index import BlockIndex, PoolIndex
 from transfer.checksums import block_sums
@@ -48,19 +51,23 @@ from transfer.tier import TierPlanner
 __all__ = ["POOL", "OffloadCounters", "OffloadScheduler"]
 
 
-class OffloadScheduler(LoadPlanner):
+class OffloadScheduler(LoadPlanner, PrefetchPlanner):
     """Plans the pool's and the tiers' loads and stores for one engine (see module doc).
 
     `num_slots`: blocks in each worker's host pool; `num_workers`: workers that must report each
     job (every rank of every parallel group); `policy`: the index eviction policy ("lru", "arc");
     `index`: a shared pool's index in place of a private BlockIndex (num_slots, policy unused);
-    `tiers`: the tiers below the pool, asked in this order.
+    `tiers`: the tiers below the pool, asked in this order; `admission`: which blocks are
+    stored and loaded (admission.py; the defaults store every block); `prefetch`: fetching a
+    waiting request's blocks into the pool ahead (prefetch.py; off by default).
     """
 
     def __init__(self, namespace: Namespace, num_slots: int, block_size: int, num_workers: int,
                  policy: str = "lru", *, tiers: Sequence[TierPlanner] = (),
                  index: PoolIndex | None = None,
-                 groups: Sequence[CacheGroup] = (CacheGroup(),), null_block: int = 0) -> None:
+                 groups: Sequence[CacheGroup] = (CacheGroup(),), null_block: int = 0,
+                 admission: AdmissionRules | None = None,
+                 prefetch: PrefetchRules | None = None) -> None:
         for name, value in (("block_size", block_size), ("num_workers", num_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,6 +111,9 @@ class OffloadScheduler(LoadPlanner):
         self._evictions_seen = 0
         self._closing = False
         self._resets = 0  # reset() calls: a store planned before one writes nothing through
+        self.events: BlockLog | None = None  # KV events on: enable_events
+        self.admission = Admission(admission or AdmissionRules(), block_size)
+        self._init_prefetch(prefetch)
 
     # ---- store planning (lookups and loads: loads.py) --------------------------------------
 
@@ -126,6 +136,7 @@ class OffloadScheduler(LoadPlanner):
             state = self._requests.setdefault(req_id, RequestState())
             ready = min([num_ready_tokens // self.block_size, len(block_hashes)]
                         + [len(table) for table in tables])
+            ready = self.admission.store_upto(req_id, ready)  # its cap, the minimum prefix
             if ready <= state.stored_upto:
                 continue
             start, state.stored_upto = state.stored_upto, ready
@@ -144,16 +155,30 @@ class OffloadScheduler(LoadPlanner):
                     reach = 2 if group.state else group.window
                     first = (kept[0] + 1) * self.block_size + reach - 1
                     leaves_at = first if leaves_at is None else min(leaves_at, first)
+            admitted = self.admission.admitted(list(position))  # the store threshold
+            self._counters.threshold_skipped_blocks += admitted.count(False)
+            position = {k: p for (k, p), ok in zip(position.items(), admitted, strict=True) if ok}
             wanted.append((req_id, state, position, leaves_at))
+        room = self.admission.store_room(
+            sum(len(job.keys) for job in self._jobs.values() if job.is_store))
+        if room == 0 and wanted:  # backpressure: shed the step's stores, never wait
+            keys = [key for _, _, position, _ in wanted for key in position]
+            self._counters.shed_blocks += self.index.present(keys).count(False)
+            wanted = []
         if not wanted:
             return
         # Skips keys stored or being stored (by an earlier request of the batch too).
         plans = self.index.prepare_stores([list(position) for _, _, position, _ in wanted])
         for (req_id, state, position, leaves_at), plan in zip(wanted, plans, strict=True):
             self._counters.unplaced_blocks += len(plan.not_placed)
+            plan, dropped = shed(self.index, plan, room)
+            self._counters.shed_blocks += dropped
+            room = None if room is None else room - len(plan.keys)
             self._write_evicted(plan)
             if not plan.keys:
                 continue
+            if self.events is not None:
+                self.events.planned(req_id, plan.keys)
             first_block = min(position[k][1] for k in plan.keys)
             job_id = self._add_job(state, req_id, True, plan.keys, first_block)
             if leaves_at is not None:
@@ -212,13 +237,21 @@ class OffloadScheduler(LoadPlanner):
             held = bool(state.jobs)
             if held:
                 self._step.held.append(req_id)
+        self.admission.forget(req_id)
+        self._cancel_prefetches(req_id)
         self._forget_if_idle(req_id)
         return held
+
+    def set_request_limits(self, req_id: str, limits: RequestLimits) -> None:
+        """The request's own limits (its `kv_transfer_params`), until it finishes."""
+        self.admission.set_limits(req_id, limits)
 
 
     def build_step(self) -> StepJobs:
         """The jobs planned since the last call, for every worker."""
+        self._plan_prefetches()
         step, self._step = self._step, StepJobs()
+        self._sent_prefetches(step)
         return step
 
     # ---- completion ------------------------------------------------------------------------
@@ -261,12 +294,20 @@ class OffloadScheduler(LoadPlanner):
 
     def _finish_write(self, write_id: int) -> None:
         write = self._writes.pop(write_id)
+        if write_id in self._prefetches:  # a fetch ahead into the pool (prefetch.py)
+            self._finish_prefetch(write_id, self._bad.pop(write_id, []))
+            return
         tier = self._by_name[write.tier]
-        tier.complete_write(write_id, self._bad.pop(write_id, []))
+        bad = self._bad.pop(write_id, [])
+        tier.complete_write(write_id, bad)
+        if self.events is not None:
+            self.events.write_done(write_id, bad)
         if write.pinned and write.epoch == self.index.epoch:  # else they went with the lease
             self.index.complete_load(write.pinned)  # the pool may evict them now
             if tier.pool_stages:  # the tier has them; the pool was staging
                 self.index.discard(write.pinned)
+                if self.events is not None:
+                    self.events.removed(POOL, write.pinned)
 
     def _finish(self, job_id: int) -> None:
         job = self._jobs.pop(job_id)
@@ -279,17 +320,24 @@ class OffloadScheduler(LoadPlanner):
                 job.failed = self._commit(job.keys, job.sums, live)
             elif live:
                 self.index.complete_store(job.keys, not job.failed)
+            if self.events is not None:
+                if not job.failed and live and job.resets == self._resets:
+                    self.events.stored(POOL, job.keys)  # every worker stored it: loadable
+                else:
+                    self.events.settled(job.keys)
             self._counters.failed_stores += job.failed
             if not job.failed and live and job.resets == self._resets:
                 self._write_stored(job)  # a reset since left its keys draining: not written
         else:
             fetched = [key for _, keys in job.fetches for key in keys]
+            kept = False  # the fetched blocks stay in the pool
             if live:
                 self.index.complete_load(job.keys)
                 if fetched and self.checked and not job.failed:
-                    self._commit(fetched, job.sums, live)
+                    kept = not self._commit(fetched, job.sums, live)
                 elif fetched:
-                    self.index.complete_store(fetched, not job.failed and not self.staging)
+                    kept = not job.failed and not self.staging
+                    self.index.complete_store(fetched, kept)
             bad = self._bad.pop(job_id, [])
             for name, keys in job.fetches:
                 self._by_name[name].complete_fetch(job_id, keys, [k for k in bad if k in keys])
@@ -300,6 +348,9 @@ class OffloadScheduler(LoadPlanner):
                 if live:
                     self.index.discard(job.keys)
                 state.stored_upto = min(state.stored_upto, job.start_block)
+            if self.events is not None:
+                self._load_events(job, fetched, bad, kept and job.resets == self._resets,
+                                  job.failed and live)
         self._forget_if_idle(job.req_id)
 
     def _write_stored(self, job: Job) -> None:
@@ -343,11 +394,54 @@ class OffloadScheduler(LoadPlanner):
         """Forget every stored block (jobs in flight finish; their slots drain)."""
         self.index.clear()
         self._resets += 1
+        if self.events is not None:
+            self.events.cleared(POOL)
         for tier in self.tiers:  # and below, or a restart would find them again
             if tier.reset():
                 self._step.erase.append(tier.name)
+                if self.events is not None:
+                    self.events.cleared(tier.name)
         for state in self._requests.values():
             state.stored_upto = 0
+
+    # ---- KV events (events.py) ----------------------------------------------------------------
+
+    def enable_events(self, sources: Sequence[str], describe: Describe | None = None) -> None:
+        """Log what becomes loadable from each of `sources` (POOL, tier names) and what stops
+        being loadable (`take_block_changes`); `describe`: see events.py. Without this call the
+        core does no event work."""
+        # A pool other engines change too (a shared pool's daemon) tells its own changes.
+        fed = [POOL] if callable(getattr(self.index, "take_changes", None)) else []
+        self.events = BlockLog(sources, describe, fed)
+        for tier in self.tiers:
+            tier.track_drops = tier.name in sources
+
+    def take_block_changes(self) -> list[BlockChange]:
+        """What became loadable and what stopped since the last call (empty without events):
+        with the tiers' own evictions and, from a shared pool, every engine's commits and
+        evictions (its daemon's change log, read once a call)."""
+        if self.events is None:
+            return []
+        for tier in self.tiers:
+            if tier.track_drops:
+                self.events.removed(tier.name, tier.take_dropped())
+        if POOL in self.events.fed:  # one round trip a step
+            self.events.feed(POOL, *self.index.take_changes())  # type: ignore[attr-defined]
+        return self.events.take()
+
+    def _load_events(self, job: Job, fetched: list[bytes], bad: list[bytes], kept: bool,
+                     dropped: bool) -> None:
+        """A load ended: its fetches' bad keys left their tiers, its good fetched blocks are in
+        the pool (`kept`), a failed load's pool blocks left it (`dropped`)."""
+        assert self.events is not None
+        for name, keys in job.fetches:
+            self.events.removed(name, [key for key in bad if key in keys])
+        if kept:
+            self.events.stored(POOL, fetched)
+        else:
+            self.events.settled(fetched)
+        if dropped:
+            self.events.removed(POOL, job.keys)
 
     def tier(self, name: str) -> TierPlanner:
         """The planner of tier `name`."""

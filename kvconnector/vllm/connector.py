@@ -32,6 +32,7 @@ where steps ended.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +55,11 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvconnector.offload.admission import RequestLimits
 from kvconnector.offload.jobs import JobReport, StepJobs
 from kvconnector.offload.scheduler import POOL, OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
+from kvconnector.vllm.events import ConnectorEvents, events_enabled
 from kvconnector.vllm.groups import state_layers
 from kvconnector.vllm.layout_choice import (
     advise_block_outermost,
@@ -75,7 +78,10 @@ from transfer.shared.client import SharedIndex
 from transfer.shared.mapping import SharedPart
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -106,6 +112,26 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return OffloadWorkerMetadata(self.report.merged(other.report))
 
 
+def _cores_warning(vllm_config: VllmConfig) -> str | None:
+    """On vLLM's CPU build: a warning when its automatic thread binding gave this worker's
+    OpenMP threads every core. For any KV connector it reserves one more core per rank (room for
+    NIXL's threads) than without; where that is every core it reserves none, and the model's
+    threads contend with the engine core's loop (time per output token in serving: 1.7-3x). This
+    connector needs no core of its own: VLLM_CPU_NUM_OF_RESERVED_CPU set to the ranks gives
+    back what vLLM reserves without a connector (examples/vllm_cpu.py sets it)."""
+    parallel = vllm_config.parallel_config
+    if os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or parallel.distributed_executor_backend \
+            != "mp" or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None  # set by hand, or no engine core process of its own (its loop in this one)
+    ranks = parallel.local_world_size
+    if torch.get_num_threads() * ranks < (os.cpu_count() or 1):
+        return None
+    return (f"vLLM's CPU build reserved no core for its engine core with a KV connector: the "
+            f"model's threads take all {os.cpu_count()} and contend with the engine core's "
+            f"loop; this connector needs no core of its own: set "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU={ranks} (as without a connector)")
+
+
 class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """KV connector with a CPU tier of whole blocks (see module doc)."""
 
@@ -123,6 +149,7 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._load_errors: set[int] = set()
         self._pool_index: SharedIndex | None = None
         self._hit_split: dict[str, dict[str, int]] = {}  # request -> tokens per source
+        self._events: ConnectorEvents | None = None  # with vLLM's kv_events_config only
         if role == KVConnectorRole.SCHEDULER:
             tiers, world_size = self._tiers, vllm_config.parallel_config.world_size
             index = self._pool_index = None
@@ -139,13 +166,17 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler = OffloadScheduler(
                     tiers.namespace, index.num_slots if index else tiers.num_slots,
                     tiers.block_size, world_size, self.options.eviction, tiers=planners,
-                    index=index, groups=tiers.groups)
+                    index=index, groups=tiers.groups, admission=self.options.admission(),
+                    prefetch=self.options.prefetch())
             except BaseException:
                 for planner in planners:
                     planner.close()
                 if index is not None:
                     index.close()
                 raise
+            if events_enabled(vllm_config):
+                self._events = ConnectorEvents(vllm_config, kv_cache_config, self._scheduler,
+                                               list(tiers.settings), self.options.pool)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -179,10 +210,13 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         asked, why = self._layout_request
         resolved = self._vllm_config.cache_config.kv_cache_layout
         kv_dtype = str(self._vllm_config.cache_config.cache_dtype)
-        backends = resolved_backends(self._vllm_config, [name for group in config.kv_cache_groups
-                                                         for name in group.layer_names])
-        check_resolved(asked, why, resolved, backends, kv_dtype)  # before any pool is made
         state = state_layers(config)  # a state layer's entry is a list of state views
+        # A state layer's backend (Mamba, short convolutions, GDN) reads its own state tensors,
+        # never the attention layout: only the attention layers' backends must read the views.
+        backends = resolved_backends(self._vllm_config, [
+            name for group in config.kv_cache_groups for name in group.layer_names
+            if name not in state])
+        check_resolved(asked, why, resolved, backends, kv_dtype)  # before any pool is made
         kv_caches = {name: tensor for name, tensor in kv_caches.items() if name not in state}
         device = next(iter(kv_caches.values())).device
         tiers = self._tiers
@@ -205,6 +239,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                    f"] share each block; {how}")
         logger.info("%s", layout_line(self._vllm_config.parallel_config.rank, asked, why, resolved,
                                       backends, how))
+        if device.type == "cpu" and (warning := _cores_warning(self._vllm_config)):
+            logger.warning("%s", warning)
 
     def _jobs(self) -> StepJobs:
         if not isinstance(self._connector_metadata, OffloadConnectorMetadata):
@@ -283,6 +319,15 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
+        if self._events is not None:
+            self._events.track(request)
+        # The request's own limits (max_offload_tokens, max_load_tokens in kv_transfer_params)
+        limits, ignored = RequestLimits.from_params(request.kv_transfer_params)
+        for line in ignored:  # a client's bad value must not stop the engine
+            logger.warning("request %s: kv_transfer_params %s", request.request_id, line)
+        self._core().set_request_limits(request.request_id, limits)
+        # its blocks below the pool start moving into it while it waits (when prefetch is on)
+        self._core().prefetch(request.request_id, request.block_hashes, request.num_tokens)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -350,10 +395,16 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         ready = min(request.num_computed_tokens, request.num_tokens - 1)
         held = self._core().request_finished(request.request_id, request.block_hashes,
                                              block_ids, ready)
+        if self._events is not None:
+            self._events.forget(request.request_id)
         return held, None
 
     def has_pending_push_work(self) -> bool:
         return self._core().has_jobs()  # keep stepping until every job is reported
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """This step's KV events of the connector's tiers (kvconnector/vllm/events.py)."""
+        return () if self._events is None else self._events.take_events()
 
     def reset_cache(self) -> bool:
         self._core().reset()

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from kvconnector.layout.descriptor import BLOCK_MAJOR_ORDERS
+from kvconnector.offload.admission import DEFAULT_MAX_TRACKER_SIZE, AdmissionRules
+from kvconnector.offload.prefetch import PrefetchRules
 from transfer.copy.factory import BACKENDS
 from transfer.engine import DEFAULT_MAX_STORE_BYTES
-from transfer.options import check_bytes, check_choice, did_you_mean, show
+from transfer.options import check_bytes, check_choice, check_seconds, did_you_mean, show
 from transfer.registry import registered_tiers
 from transfer.shared.protocol import check_name
 from transfer.tier import TierSpec
@@ -36,6 +38,14 @@ class _ConnectorKeys:
     copy_backend: "auto" (on CUDA batched DMA, loads of pages under 28 KiB on 12 SMs), "dma",
     "sm" (every SM) or "thread".
     max_store_bytes: bytes of stores in flight per worker; past it new stores are skipped.
+    store_threshold: a block is stored once its prefix was offered this many times (0, 1: at
+    once); max_tracker_size: prefixes whose offers are counted, at most. min_prefix_tokens: a
+    request stores nothing until its computed full blocks hold this many tokens.
+    max_store_blocks_in_flight: stores planned and not yet done, in blocks; past it a step's
+    new stores are shed (counted, never waited for). See kvconnector/offload/admission.py.
+    prefetch_blocks: blocks fetched ahead from the tiers below into the pool while requests
+    wait (at most this many in flight; 0: off); prefetch_deadline_s: how long a request waits
+    for them (kvconnector/offload/prefetch.py).
     Then every registered tier's keys (see its settings' docstring: disk_* in
     transfer/disk/tier.py, remote_* in transfer/remote/tier.py).
     """
@@ -46,6 +56,12 @@ class _ConnectorKeys:
     layout: str = "auto"
     copy_backend: str = "auto"
     max_store_bytes: int = DEFAULT_MAX_STORE_BYTES
+    store_threshold: int = 0
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
+    min_prefix_tokens: int = 0
+    max_store_blocks_in_flight: int | None = None
+    prefetch_blocks: int = 0
+    prefetch_deadline_s: float = 1.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> ConnectorOptions:
@@ -87,9 +103,26 @@ class _ConnectorKeys:
                 given = sorted(k for k in spec.options if extra.get(k) is not None)
                 if given:
                     raise ValueError(f"{given} given without {spec.enabled_by}")
+        if "max_tracker_size" in extra and options.store_threshold < 2:
+            raise ValueError(f"max_tracker_size given without store_threshold >= 2 (it counts "
+                             f"offers for the threshold), got store_threshold "
+                             f"{show(options.store_threshold)}")
+        if options.prefetch_blocks and options.pool is not None:
+            raise ValueError(f"prefetch_blocks {options.prefetch_blocks} with 'pool': a shared "
+                             f"pool's blocks are committed with checksums taken on a load, so "
+                             f"it is not prefetched into; set prefetch_blocks 0")
         settings = options.tier_settings()  # each enabled tier's keys checked together
         _check_across(options, settings)
         return options
+
+    def admission(self) -> AdmissionRules:
+        """The engine-wide admission rules."""
+        return AdmissionRules(self.store_threshold, self.max_tracker_size,
+                              self.min_prefix_tokens, self.max_store_blocks_in_flight)
+
+    def prefetch(self) -> PrefetchRules:
+        """The prefetch rules."""
+        return PrefetchRules(self.prefetch_blocks, self.prefetch_deadline_s)
 
     def tier_settings(self) -> dict[str, Any]:
         """Each enabled tier's settings, by name, in the order the tiers are asked."""
@@ -135,7 +168,18 @@ _CHECKS = {
     "eviction": lambda key, value: check_choice(key, value, EVICTION_CHOICES),
     "layout": lambda key, value: check_choice(key, value, LAYOUT_CHOICES),
     "copy_backend": lambda key, value: check_choice(key, value, BACKENDS),
+    "store_threshold": lambda key, value: _check_count(key, value, 0),
+    "max_tracker_size": lambda key, value: _check_count(key, value, 1),
+    "min_prefix_tokens": lambda key, value: _check_count(key, value, 0),
+    "max_store_blocks_in_flight": lambda key, value: _check_count(key, value, 1),
+    "prefetch_blocks": lambda key, value: _check_count(key, value, 0),
+    "prefetch_deadline_s": check_seconds,
 }
+
+
+def _check_count(key: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {show(value)}")
 
 
 def _unknown_keys(unknown: list[Any], known: list[str]) -> str:

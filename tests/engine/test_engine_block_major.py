@@ -17,12 +17,14 @@ from unittest.mock import patch
 
 import pytest
 from engine_checks import check_extending_a_stored_prefix, check_reload_after_reset
-from engine_support import block_bytes, running_llm
+from engine_support import block_bytes, on_gpu, running_llm
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    on_gpu(), reason="REF_ATTN stands in for CPU_ATTN; the GPU engine's TRITON_ATTN reads "
+                     "block-major views itself (test_engine_gpu.py)")]
 
 LAYOUT = "BHLNC"  # block outermost, heads next: the per-layer view is not even page-dense
 

@@ -24,13 +24,22 @@ from engine_checks import (
     reload,
     zero_state_slot,
 )
-from engine_support import forget_everything, generate, running_llm, scheduler_connector, settle
+from engine_support import (
+    forget_everything,
+    generate,
+    on_gpu,
+    running_llm,
+    scheduler_connector,
+    settle,
+)
 from tiny_llama import prompt_ids
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(
+    on_gpu(), reason="Qwen3-Next's MoE layers do not start in the GPU engine built without vLLM's "
+                     "MoE kernels; Gemma 3 and LFM2 cover hybrid groups there")]
 
 
 @pytest.fixture(scope="module")

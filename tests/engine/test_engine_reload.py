@@ -12,7 +12,7 @@ from engine_checks import (
     check_extending_a_stored_prefix,
     check_reload_after_reset,
 )
-from engine_support import block_bytes, running_llm
+from engine_support import block_bytes, expected_copy_path, on_gpu, running_llm
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -33,10 +33,12 @@ def _worker_path(worker: object) -> tuple[str, int, str]:  # runs on the worker
     return offload.mode, offload.copies_per_block, worker.vllm_config.cache_config.kv_cache_layout
 
 
-def test_under_cpu_attention_blocks_move_per_layer_and_a_reload_is_identical(llm: LLM) -> None:
-    # CPU_ATTN declares only LBHNC; the connector copies each layer's page of a block.
+def test_blocks_move_as_the_backend_allows_and_a_reload_is_identical(llm: LLM) -> None:
+    # CPU_ATTN declares only LBHNC: the connector copies each layer's page of a block;
+    # TRITON_ATTN (the GPU engine) takes a block-outermost layout: one copy a block.
     (found,) = llm.collective_rpc(_worker_path)
-    assert found == ("per-layer", 4, "LBHNC")
+    assert found[:2] == expected_copy_path(), found
+    assert found[2] in (("BLNHC", "BLHNC", "BHLNC") if on_gpu() else ("LBHNC",)), found
     check_reload_after_reset(llm, seed=1)
 
 

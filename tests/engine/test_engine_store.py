@@ -111,7 +111,10 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
     gained = counted(llm, before)
     assert killed == [STORED_TOKENS]
     assert got.same_output(reference), (reference, got)
-    assert got.num_cached_tokens == 0, got  # recomputed
+    # vLLM reports the count of the request's first schedule: 0 where the failed load was handled
+    # before it (CPU), the failed tokens where the GPU engine's async scheduler had counted them.
+    # No byte was loaded (below), and the output is identical: recomputed.
+    assert got.num_cached_tokens in (0, STORED_TOKENS), got
     assert gained["kvconnector_failed_loads"] == 1, gained  # the request's one load job
     assert gained["kvconnector_load_bytes"] == 0, gained
     # vLLM counts the tokens whose load then failed as external hits: only the two above tell

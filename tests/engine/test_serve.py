@@ -2,12 +2,14 @@
 loopback only): a completion reloaded after `POST /reset_prefix_cache` is identical, `/metrics`
 carries the connector's counters, and `vllm bench serve` with its prefix-repetition dataset runs
 without a failed request, with prefixes reloaded from the CPU tier and the same texts as when
-they were computed. Each test ends with a negative control: the pool's slots zeroed, the output
-must change."""
+they were computed. Each of those ends with a negative control: the pool's slots zeroed, the
+output must change. The launcher leaves the model's threads the cores vLLM gives them without a
+connector, so serving with it keeps its time per output token."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,6 +83,17 @@ def test_a_completion_reloaded_after_reset_prefix_cache_is_identical_and_counted
     assert corrupted["usage"]["prompt_tokens_details"]["cached_tokens"] == stored
     assert _tokens_and_logprobs(corrupted)[1] != logprobs, "zeroed KV blocks changed no logprob"
     server.settle(reset_external=True)
+
+
+def test_the_model_runs_on_the_threads_vllm_gives_it_without_a_connector(
+        server: ServeProcess) -> None:
+    # vLLM's CPU build reserves one core per rank for its engine core's loop, and one more per
+    # rank for any KV connector: on two cores, none at all, and the model's threads contended
+    # with that loop (time per output token 3x). The launcher asks for the first reservation
+    # only: the model keeps every core but one (TP 1), as without a connector.
+    cores = len(os.sched_getaffinity(0))
+    threads = server.post("/collective_rpc", {"method": "torch_threads"})["results"]
+    assert [int(n) for n in threads] == [max(1, cores - 1)], (threads, cores)
 
 
 def _bench_serve(server: ServeProcess, directory: Path, name: str) -> dict:

@@ -104,3 +104,17 @@ def test_sigkill_mid_get(store: StoreProcess, source: torch.Tensor) -> None:
         target[slots[:4]] = POISON
         assert reader.get(KEYS[:4], slots[:4]).all_ok
         assert torch.equal(target[slots[:4]], source[:4])
+
+
+def test_closing_with_a_dead_store_cancels_the_queued_lookups(store: StoreProcess) -> None:
+    """A scheduler shutting down while its store is gone: the lookup in flight ends by its
+    deadline, those queued behind it are cancelled instead of each waiting out its own."""
+    store.kill()
+    client = AsyncRemoteClient(store.url, NONE, namespace=NS, timeout_s=1.0)
+    lookups = [client.lookup(KEYS[:4], deadline_s=1.0) for _ in range(5)]
+    client.close(drop_queued=True)
+    cancelled = [future.cancelled() for future in lookups]
+    assert cancelled.count(False) <= 1 and cancelled.count(True) >= 4, cancelled
+    for future in lookups:
+        if not future.cancelled():  # the one that ran: failed, no connection
+            assert future.exception() is not None

@@ -78,7 +78,8 @@ def test_layout_opt_out_keeps_vllm_default_and_moves_layer_by_layer(
     assert worker.mode == PER_LAYER and worker.copies_per_block == h.NUM_LAYERS
     assert "layer-major" in worker.describe()
     # One line per worker says which path and why.
-    lines = [r.getMessage() for r in caplog.records if r.name == "vllm.kvconnector"]
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "vllm.kvconnector" and r.levelno == logging.INFO]
     assert lines == [f"CrossLayerOffloadConnector rank 0: asked for vLLM's default (opted out "
                      f"(layout 'engine')), vLLM resolved LBNHC for TRITON_ATTN; "
                      f"{worker.describe()}"]

@@ -46,6 +46,7 @@ class DiskPlanner(TierPlanner):
         self.writes_stored = write_policy == "through"
         self._writes: dict[int, list[bytes]] = {}  # write in flight -> the keys it writes
         self._counts = {"failed_reads": 0, "failed_writes": 0, "evictions": 0}
+        self._dropped: list[bytes] = []  # evicted since take_dropped, with track_drops
 
     def lookup(self, req_id: str, keys: Sequence[bytes]) -> int:
         return next((i for i, key in enumerate(keys) if not self.index.contains(key)), len(keys))
@@ -73,6 +74,8 @@ class DiskPlanner(TierPlanner):
         sum_of = {} if sums is None else dict(zip(keys, sums, strict=True))
         plan = self.index.prepare_store(list(keys))  # the keys not on disk yet, if room
         self._counts["evictions"] += len(plan.evicted)
+        if self.track_drops:
+            self._dropped += plan.evicted
         if not plan.keys:
             return None
         self._writes[op_id] = list(plan.keys)
@@ -89,6 +92,10 @@ class DiskPlanner(TierPlanner):
     def reset(self) -> bool:
         self.index.clear()
         return True  # and on the workers' slabs, or a restart would find them again
+
+    def take_dropped(self) -> list[bytes]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def take_counters(self) -> dict[str, float]:
         counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)

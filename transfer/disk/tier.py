@@ -90,4 +90,5 @@ DISK_TIER = TierSpec(
     order=10,
     per_key_lookups=True,
     stored_writes=("disk_write_policy", "through"),
+    event_medium="STORAGE",
 )

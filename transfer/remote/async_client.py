@@ -61,10 +61,19 @@ class AsyncRemoteClient:
     def stats(self, *, deadline_s: float | None = None) -> Future[dict[str, Any]]:
         return self._submit("stats", (), deadline_s)
 
-    def close(self) -> None:
-        """Finish the queued calls, then close the connection."""
+    def close(self, drop_queued: bool = False) -> None:
+        """Finish the queued calls, then close the connection. With `drop_queued`, the calls not
+        yet started are cancelled instead (lookups nobody will read: against a store that went
+        away each would wait out its deadline); the one running ends within its own."""
         if not self._closed:
             self._closed = True
+            while drop_queued:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
             self._jobs.put(None)
             self._thread.join()
 

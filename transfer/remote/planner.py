@@ -86,7 +86,8 @@ class RemoteLookups:
         return 0
 
     def close(self) -> None:
-        self._client.close()
+        self._pending.clear()
+        self._client.close(drop_queued=True)
 
 
 class RemotePlanner(TierPlanner):

@@ -114,6 +114,8 @@ class SharedIndex:
         self._client: PoolClient | None = None
         self._next_try = 0.0
         self._stats = IndexStats()
+        self._since = -1  # the daemon's change log: the next number to read (-1: all)
+        self._since_epoch = 0  # the connection `_since` belongs to
         self._connect(raise_errors=True)
 
     # ---- connection ------------------------------------------------------------------------
@@ -238,6 +240,22 @@ class SharedIndex:
         """For each key, whether it is stored and readable now (committed: the daemon keeps a
         committed block's checksums as long as the block); one round trip."""
         return [sums is not None for sums in self.checksums(keys)]
+
+    def take_changes(self) -> tuple[bool, list[tuple[bool, bytes]]]:
+        """What changed among this namespace's readable blocks since the last call, in the
+        daemon's order, in one round trip: (whole, [(stored, key), ...]). `whole`: the list is
+        every block readable now, replacing what was known (the first call on a connection, or
+        a reader the daemon's log left behind); no daemon: an empty whole list (nothing is
+        readable)."""
+        if self._since_epoch != self.epoch:
+            self._since, self._since_epoch = -1, self.epoch
+        epoch = self.epoch
+        answer = self._call(p.CHANGES, self._since, default=None)
+        if answer is None or self.epoch != epoch:  # no daemon, or a new one: all again next
+            self._since_epoch = -1
+            return True, []
+        self._since = answer[0]
+        return bool(answer[1]), [(bool(stored), bytes(key)) for stored, key in answer[2]]
 
     def pool_stats(self) -> dict[str, Any] | None:
         """The daemon's counters (None without a daemon); answered after every notice sent

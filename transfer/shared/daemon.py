@@ -457,6 +457,8 @@ class PoolDaemon:
             return index.prepare_load(client.id, args[0])
         if verb == p.CHECKSUMS:
             return index.checksums(client.id, args[0])
+        if verb == p.CHANGES:
+            return index.changes(client.id, args[0])
         return self.stats()
 
     def _notice(self, client: int, verb: str, args: tuple[Any, ...]) -> None:

@@ -21,7 +21,7 @@ changes, ValueError naming the value by a short prefix), a connection holds one 
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +33,38 @@ MAX_NAMESPACES = 64  # per lease: an engine declares one (a test harness a few)
 MAX_BLOCK_SUMS = 128  # per block: an xxh3-64 and a row sum for each of up to 64 ranks
 MAX_PINS = 1 << 20  # per lease (a load pins each of its keys once): far above any engine's
 MAX_ANSWER_SUMS = 1 << 22  # checksums in one answer (~36 MiB packed, under MAX_MESSAGE_BYTES)
+MAX_LOG = 1 << 16  # commits and removals kept for `changes` (a reader further behind: the list)
+MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
+
+
+class ChangeLog:
+    """The last MAX_LOG commits and removals of readable blocks, numbered in order, for the
+    engines that publish KV events (each reads what changed since its last read, once a step):
+    a block another engine stored or evicted is in every reader's stream, without a round trip
+    per block."""
+
+    def __init__(self, size: int = MAX_LOG) -> None:
+        self._entries: deque[tuple[bool, bytes]] = deque(maxlen=size)
+        self.next_seq = 0  # the number the next entry gets
+
+    def add(self, stored: bool, keys: Sequence[bytes]) -> None:
+        self._entries.extend((stored, key) for key in keys)
+        self.next_seq += len(keys)
+
+    def since(self, seq: int, namespaces: frozenset[bytes],
+              limit: int = MAX_ANSWER_CHANGES) -> tuple[int, list[list[object]]] | None:
+        """(the number to ask from next, [[stored, key], ...] of `namespaces` from `seq` on);
+        None when entries from `seq` on are gone (the reader fell behind by over MAX_LOG)."""
+        first = self.next_seq - len(self._entries)
+        if seq < first:
+            return None
+        out: list[list[object]] = []
+        at = seq
+        for stored, key in list(self._entries)[seq - first:seq - first + limit]:
+            at += 1
+            if key[:DIGEST_BYTES] in namespaces:
+                out.append([stored, key])
+        return at, out
 
 
 @dataclass
@@ -59,6 +91,7 @@ class SharedBlockIndex:
         self.slot_bytes = slot_bytes
         self._sums: dict[bytes, list[int]] = {}  # stored keys -> per-rank checksums at commit
         self.leases: dict[int, Lease] = {}  # client id -> its lease
+        self.log = ChangeLog()  # readable blocks committed and removed, for `changes`
 
     def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
         """A new client whose blocks, of the given namespaces, use `entry_bytes` of a slot. One
@@ -114,6 +147,7 @@ class SharedBlockIndex:
         plan = self.index.prepare_store(keys)
         for key in plan.evicted:
             self._sums.pop(key, None)
+        self.log.add(False, plan.evicted)
         self.leases[client].storing.update(plan.keys)
         return plan
 
@@ -161,10 +195,13 @@ class SharedBlockIndex:
                                                                      strict=True)
                 if key in lease.storing]
         self.index.complete_store([key for key, *_ in held], [ok for _, ok, _ in held])
+        committed = []
         for key, ok, block_sums in held:
             lease.storing.discard(key)
             if ok and self.index.contains(key):  # not if removed while it was being stored
                 self._sums[key] = list(block_sums)
+                committed.append(key)
+        self.log.add(True, committed)
 
     def complete_load(self, client: int, keys: Sequence[bytes]) -> None:
         lease = self.leases[client]
@@ -177,6 +214,7 @@ class SharedBlockIndex:
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
         keys = self._own(client, keys)
+        self.log.add(False, [key for key in keys if self.index.contains(key)])
         self.index.discard(keys)
         for key in keys:
             self._sums.pop(key, None)
@@ -186,6 +224,23 @@ class SharedBlockIndex:
         namespaces = self.leases[client].namespaces
         mine = [key for key in self.index.held_keys() if key[:DIGEST_BYTES] in namespaces]
         self.discard(client, mine)
+
+    def changes(self, client: int, since: int) -> list[object]:
+        """[next number, whole, [[stored, key], ...]]: the commits and removals of the client's
+        namespaces' readable blocks from number `since` on; or, for `since` -1 or one the log
+        no longer holds, every readable block of them now (`whole` True: the reader replaces
+        what it knew)."""
+        if isinstance(since, bool) or not isinstance(since, int) or since < -1 \
+                or since > self.log.next_seq:
+            raise ValueError(f"changes since {brief(since)}: a number from -1 to "
+                             f"{self.log.next_seq}")
+        namespaces = self.leases[client].namespaces
+        found = None if since < 0 else self.log.since(since, namespaces)
+        if found is not None:
+            return [found[0], False, found[1]]
+        held = [[True, key] for key in self.index.held_keys()
+                if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)]
+        return [self.log.next_seq, True, held]
 
     def _own(self, client: int, keys: Sequence[bytes], unique: bool = False) -> list[bytes]:
         """The keys, each checked: bytes of a namespace this client declared, of a sane size;

@@ -33,15 +33,18 @@ PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields
 PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, checksums (block_sums)], all pinned; None when
 #                                one is not stored
 CHECKSUMS = "checksums"  # (keys) -> per key: the checksums it was committed with, or None
+CHANGES = "changes"  # (sequence number, -1: all) -> [next sequence number, whether it is the
+#                      whole list, [[stored, key], ...] of the client's namespaces] (KV events)
 STATS = "stats"  # () -> dict
 COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
-REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS)
+REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS, CHANGES)
 NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR)
 
 ARGUMENTS = {HELLO: 2, LOOKUP: 1, PREPARE_STORES: 1, PREPARE_LOAD: 1, CHECKSUMS: 1, STATS: 0,
+             CHANGES: 1,
              COMPLETE_STORE: 3, COMPLETE_LOAD: 1, DISCARD: 1, CLEAR: 0}  # each verb's count
 
 MAX_MESSAGE_BYTES = 64 << 20  # the largest answer a client reads
