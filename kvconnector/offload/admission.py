@@ -23,7 +23,7 @@ Per request (`RequestLimits`, from the request's `kv_transfer_params`, vLLM 0.33
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -161,10 +161,11 @@ class Admission:
             return [True] * len(keys)
         return [count >= self.rules.store_threshold for count in self.counts.offer(keys)]
 
-    def store_room(self, blocks_in_flight: int) -> int | None:
-        """Blocks that may still be planned for storing now (None: no bound)."""
+    def store_room(self, blocks_in_flight: Callable[[], int]) -> int | None:
+        """Blocks that may still be planned for storing now (None: no bound, and
+        `blocks_in_flight` is not counted: the scheduler's step pays nothing for the option)."""
         bound = self.rules.max_store_blocks_in_flight
-        return None if bound is None else max(0, bound - blocks_in_flight)
+        return None if bound is None else max(0, bound - blocks_in_flight())
 
 
 def shed(index: PoolIndex, plan: StorePlan, room: int | None) -> tuple[StorePlan, int]:

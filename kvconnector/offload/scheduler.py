@@ -155,12 +155,14 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                     reach = 2 if group.state else group.window
                     first = (kept[0] + 1) * self.block_size + reach - 1
                     leaves_at = first if leaves_at is None else min(leaves_at, first)
-            admitted = self.admission.admitted(list(position))  # the store threshold
-            self._counters.threshold_skipped_blocks += admitted.count(False)
-            position = {k: p for (k, p), ok in zip(position.items(), admitted, strict=True) if ok}
+            if self.admission.counts is not None:  # the store threshold
+                admitted = self.admission.admitted(list(position))
+                self._counters.threshold_skipped_blocks += admitted.count(False)
+                position = {k: p for (k, p), ok in zip(position.items(), admitted, strict=True)
+                            if ok}
             wanted.append((req_id, state, position, leaves_at))
         room = self.admission.store_room(
-            sum(len(job.keys) for job in self._jobs.values() if job.is_store))
+            lambda: sum(len(job.keys) for job in self._jobs.values() if job.is_store))
         if room == 0 and wanted:  # backpressure: shed the step's stores, never wait
             keys = [key for _, _, position, _ in wanted for key in position]
             self._counters.shed_blocks += self.index.present(keys).count(False)

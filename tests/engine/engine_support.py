@@ -141,6 +141,14 @@ class Generation:
     logprobs: tuple[tuple[tuple[int, float], ...], ...]
     num_cached_tokens: int
 
+    @classmethod
+    def of(cls, output: Any) -> Generation:
+        """The Generation of one of vLLM's RequestOutputs (sampled with logprobs)."""
+        completion = output.outputs[0]
+        logprobs = tuple(tuple(sorted((token, lp.logprob) for token, lp in step.items()))
+                         for step in completion.logprobs)
+        return cls(tuple(completion.token_ids), logprobs, output.num_cached_tokens or 0)
+
     def same_output(self, other: Generation) -> bool:
         """Tokens and logprobs identical, bit for bit."""
         return self.token_ids == other.token_ids and self.logprobs == other.logprobs
@@ -153,10 +161,7 @@ def generate(llm: LLM, prompt: list[int], max_tokens: int = 16) -> Generation:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
     (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    completion = output.outputs[0]
-    logprobs = tuple(tuple(sorted((token, lp.logprob) for token, lp in step.items()))
-                     for step in completion.logprobs)
-    return Generation(tuple(completion.token_ids), logprobs, output.num_cached_tokens or 0)
+    return Generation.of(output)
 
 
 def settle(llm: LLM, timeout_s: float = SETTLE_TIMEOUT_S) -> None:

@@ -38,11 +38,4 @@ def generate_together(llm: LLM, requests: list[tuple[list[int], str | None,
             request["cache_salt"] = cache_salt
         prompts.append(request)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    generations = []
-    for output in outputs:
-        completion = output.outputs[0]
-        logprobs = tuple(tuple(sorted((token, lp.logprob) for token, lp in step.items()))
-                         for step in completion.logprobs)
-        generations.append(Generation(tuple(completion.token_ids), logprobs,
-                                      output.num_cached_tokens or 0))
-    return generations
+    return [Generation.of(output) for output in outputs]

@@ -69,11 +69,7 @@ def serve_queue(llm: LLM) -> tuple[list[Generation], list[float]]:
                            use_tqdm=False)
     generations, waits = [], []
     for output in outputs:
-        completion = output.outputs[0]
-        logprobs = tuple(tuple(sorted((token, lp.logprob) for token, lp in step.items()))
-                         for step in completion.logprobs)
-        generations.append(Generation(tuple(completion.token_ids), logprobs,
-                                      output.num_cached_tokens or 0))
+        generations.append(Generation.of(output))
         waits.append(output.metrics.first_token_ts - output.metrics.queued_ts)
     return generations, waits
 
