@@ -14,14 +14,21 @@ client side, in microseconds, per block of a batch of n.
 
     python benchmarks/bench_shared_pool.py [--block-sizes 2MiB,4MiB] [--repeats 5] [--json PATH]
 
-On a CPU the same runs host to host (memory bandwidth, not PCIe).
+With `--gpus 0,1,2,3` (or `--gpus all`) it runs one engine process per GPU on one pool, all
+storing and loading at once, against the same run's raw pinned copies on every GPU at once
+(kvconnector/bench/shared_pool_gpus.py); one GPU is the run above.
+
+On a CPU the same runs host to host (memory bandwidth, not PCIe); there `--gpus 0,1` runs two
+stand-in processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,17 +37,45 @@ import torch
 from kvconnector.bench.ceilings import CeilingMeter
 from kvconnector.bench.runner import allocate_arenas
 from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
+from kvconnector.bench.shared_pool_gpus import (
+    SET_MAX_BYTES,
+    GpuWorkers,
+    add_ratios,
+    engine_blocks,
+    format_tables,
+    measure_ceilings,
+    measure_engines,
+    resolve_gpus,
+    visible_name,
+)
 from kvconnector.cli.units import parse_size
 from kvconnector.layout.allocator import shm_free_bytes, slot_stride
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", default="2MiB,4MiB",
                         help="comma-separated block sizes (default 2MiB,4MiB)")
     parser.add_argument("--repeats", type=int, default=5, help="timed loads per size (median)")
     parser.add_argument("--json", type=Path, help="write the record here")
-    args = parser.parse_args()
+    parser.add_argument("--gpus", help="GPUs storing and loading at once, one engine process "
+                        "each: 'all' or indices such as 0,1,2,3 (default: one GPU, the run above)")
+    args = parser.parse_args(argv)
+    if args.gpus is not None and "," not in args.gpus and args.gpus.strip() != "all":
+        # One GPU: the run above, on that GPU (chosen before CUDA starts in this process).
+        try:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_name(int(args.gpus))
+        except (ValueError, IndexError):
+            parser.error(f"--gpus takes 'all' or indices such as 0,1,2,3, not {args.gpus!r}")
+    elif args.gpus is not None:
+        cuda = torch.cuda.is_available()
+        try:
+            gpus = resolve_gpus(args.gpus, cuda)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if len(gpus) > 1:
+            return _every_gpu(args, gpus, "cuda" if cuda else "cpu",
+                              sys.argv[1:] if argv is None else argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     arenas = allocate_arenas((4 << 30) if device.type == "cuda" else (256 << 20), device)
     try:
@@ -69,7 +104,9 @@ def main() -> int:
         print(f"block {size >> 10} KiB x {n}: load {row['load_gbps']:.2f} GB/s "
               f"({row['load_ratio']:.3f} of the one-way ceiling); both at once "
               f"{row['bidir_gbps']:.2f} GB/s ({row['bidir_ratio']:.3f} of bidirectional); "
-              f"writer store + sums + hash {row['store_gbps']:.2f} GB/s; load checked by xxh3 "
+              f"writer store committed by row sums {row['store_gbps']:.2f} GB/s (its xxh3s "
+              f"attached {row['late_hash_s'] * 1e3:.0f} ms after the last commit, "
+              f"{row['late_hash_gbps']:.2f} GB/s from the store's start); load checked by xxh3 "
               f"{row['xxh3_load_gbps']:.2f} GB/s ({row['xxh3_load_ratio']:.3f}) "
               f"on {row['check_threads']} threads; metadata per "
               f"block: load {row['load_meta_us']:.2f} us, store {row['store_meta_us']:.2f} us",
@@ -81,6 +118,45 @@ def main() -> int:
                   "ceilings": ceilings.as_dict(), "rows": rows}
         args.json.write_text(json.dumps(record, indent=2))
     return 0
+
+
+def _every_gpu(args: argparse.Namespace, gpus: list[int], device_type: str,
+               argv: list[str]) -> int:
+    """One engine process per GPU, all at once; the tables last; 1 where a byte mismatched."""
+    sizes = [parse_size(s) for s in args.block_sizes.split(",")]
+    blocks = [engine_blocks(size, len(gpus), device_type) for size in sizes]
+    for size, n in zip(sizes, blocks, strict=True):
+        if n < 3:
+            raise SystemExit(f"no room for 3 blocks of {size} B per set: {1 + 2 * len(gpus)} "
+                             f"sets in /dev/shm ({shm_free_bytes() >> 20} MiB free; docker: "
+                             f"--shm-size), each at most {SET_MAX_BYTES[device_type]} B")
+    with GpuWorkers(gpus, device_type) as workers:
+        ceilings = measure_ceilings(workers, args.repeats)
+        raw = ceilings["aggregate"]
+        print(f"raw copies on {len(gpus)} GPUs at once: load {raw['h2d_gbps']:.2f} GB/s, "
+              f"store {raw['d2h_gbps']:.2f} GB/s, both {raw['bidir_gbps']:.2f} GB/s", flush=True)
+        rows = []
+        for size, n in zip(sizes, blocks, strict=True):
+            row = measure_engines(workers, size, n, args.repeats)
+            add_ratios(row, ceilings)
+            rows.append(row)
+            print(f"block {size >> 10} KiB x {n} per engine and set: load "
+                  f"{row['ratios']['load']:.3f}, store {row['ratios']['store']:.3f}, both "
+                  f"{row['ratios']['both']:.3f} of the raw aggregate", flush=True)
+    print(format_tables(ceilings, rows), flush=True)
+    if args.json is not None:
+        record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                  "command": " ".join(["python benchmarks/bench_shared_pool.py", *argv]),
+                  "host": platform.node(),
+                  "hardware": {"device_type": device_type, "gpus": gpus,
+                               "device_names": ceilings["device_names"],
+                               "cpu_count": os.cpu_count()},
+                  "block_sizes": [row["block_bytes"] for row in rows],
+                  "ceilings": ceilings, "rows": rows}
+        args.json.write_text(json.dumps(record, indent=2))
+    mismatched = sum(e["load_mismatches"] + e["store_mismatches"]
+                     for row in rows for e in row["engines"])
+    return 1 if mismatched else 0
 
 
 if __name__ == "__main__":

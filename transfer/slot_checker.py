@@ -4,7 +4,12 @@ Another process can write a shared slot after its commit (a stray write through 
 bad page), so every block carries the xxh3-64 its writer took, bound to its key
 (`block_checksum`), one per rank's part of the slot; a reader checks its part before it copies
 it (`SlotChecker.verify`; kvconnector/offload/checked_loads.py). Writers hash their parts once
-the store copy is done (`SlotChecker.hash`), so the daemon's loop never hashes.
+the store copy is done (`SlotChecker.hash`), so the daemon's loop never hashes. A GPU writer
+commits by the row sums its copy took and hashes after the commit (`SlotChecker.hash_checked`):
+each slot is copied aside, its row sum taken again there (transfer/copy/row_sums.py, on the
+host) and compared with the committed one, and only a copy that matches is hashed, so an xxh3
+is never taken of bytes other than those committed (a slot written since, or reused after an
+eviction, gets none).
 
 Checks run on `threads` threads (xxhash releases the GIL for blocks over 64 KiB, so they hash
 in parallel); a reader checks a load in chunks, copying one while the next ones are checked, so
@@ -16,13 +21,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from transfer.checksums import block_checksum
+from transfer.copy.row_sums import row_sums, to_unsigned
 
 MAX_THREADS = 8
+T = TypeVar("T")
 
 
 def default_threads() -> int:
@@ -42,20 +50,22 @@ class SlotChecker:
         """The checksum of each slot's row, bound to its key, in order."""
         parts = self._split(rows, slots, keys)
         futures = [self._pool.submit(_hash_part, *part) for part in parts]
-        result: Future[list[int]] = Future()
+        return _joined(futures)
 
-        def gather(_: Future[list[int]]) -> None:
-            if all(f.done() for f in futures) and not result.done():
-                try:
-                    result.set_result([s for f in futures for s in f.result()])
-                except Exception as exc:
-                    result.set_exception(exc)
-
-        for future in futures:
-            future.add_done_callback(gather)
-        if not futures:
-            result.set_result([])
-        return result
+    def hash_checked(self, rows: torch.Tensor, slots: Sequence[int], keys: Sequence[bytes],
+                     sums: Sequence[int]) -> Future[list[int | None]]:
+        """The checksum of each slot's row, bound to its key, in order, where the row's sum
+        (row_sums) still equals `sums` (what it was committed with); None where it does not."""
+        if len(sums) != len(keys):
+            raise ValueError(f"{len(sums)} row sums for {len(keys)} keys")
+        parts = self._split(rows, slots, keys)
+        futures, at = [], 0
+        for array, part_slots, part_keys in parts:
+            part_sums = list(sums[at:at + len(part_slots)])
+            at += len(part_slots)
+            futures.append(self._pool.submit(_hash_checked_part, array, part_slots, part_keys,
+                                             part_sums))
+        return _joined(futures)
 
     def verify(self, rows: torch.Tensor, slots: Sequence[int], keys: Sequence[bytes],
                sums: Sequence[int | None]) -> Future[int]:
@@ -98,3 +108,34 @@ class SlotChecker:
 
 def _hash_part(array: np.ndarray, slots: list[int], keys: list[bytes]) -> list[int]:
     return [block_checksum(array[slot], key) for slot, key in zip(slots, keys, strict=True)]
+
+
+def _hash_checked_part(array: np.ndarray, slots: list[int], keys: list[bytes],
+                       sums: list[int]) -> list[int | None]:
+    """Each slot copied aside, then hashed where the copy's row sum is the committed one."""
+    aside = np.empty(array.shape[1], dtype=np.uint8)
+    row = torch.from_numpy(aside).view(1, -1)
+    out: list[int | None] = []
+    for slot, key, expected in zip(slots, keys, sums, strict=True):
+        np.copyto(aside, array[slot])  # both checksums of the same bytes, whatever the slot does
+        matched = to_unsigned(row_sums(row).numpy())[0] == expected
+        out.append(block_checksum(aside, key) if matched else None)
+    return out
+
+
+def _joined(futures: Sequence[Future[list[T]]]) -> Future[list[T]]:
+    """One future of the parts' lists joined in order (the first part's error, if any)."""
+    result: Future[list[T]] = Future()
+
+    def gather(_: Future[list[T]]) -> None:
+        if all(f.done() for f in futures) and not result.done():
+            try:
+                result.set_result([s for f in futures for s in f.result()])
+            except Exception as exc:
+                result.set_exception(exc)
+
+    for future in futures:
+        future.add_done_callback(gather)
+    if not futures:
+        result.set_result([])
+    return result

@@ -108,16 +108,16 @@ def measure(device_arena: torch.Tensor, host_arena: torch.Tensor, repeats: int) 
         meter.close()
 
 
-def _measure_round(device_arena: torch.Tensor, host_arena: torch.Tensor,
-                   pinned: torch.Tensor | None, size: int, repeats: int) -> Ceilings:
-    device = device_arena.device
-    d0, d1 = device_arena[:size], device_arena[size: 2 * size]
-    h0, h1 = host_arena[:size], host_arena[size: 2 * size]
+def raw_copies(device_buffers: tuple[torch.Tensor, torch.Tensor],
+               host_buffers: tuple[torch.Tensor, torch.Tensor],
+               lanes: ThreadPoolExecutor) -> dict[str, Callable[[], None]]:
+    """The raw copies a ceiling times, by direction ("h2d", "d2h", "bidir": one each way at
+    once) between two device and two host buffers of one size: on CUDA async copies (two streams
+    for "bidir"; host buffers pinned), elsewhere on `lanes` (two threads, one per direction, as
+    the engine's CPU lanes copy)."""
+    (d0, d1), (h0, h1) = device_buffers, host_buffers
+    device = d0.device
     if device.type == "cuda":
-        assert pinned is not None
-        h0, h1 = pinned[:size], pinned[size:]
-        h2d = statistics.median(timed(lambda: d0.copy_(h0, non_blocking=True), device, repeats))
-        d2h = statistics.median(timed(lambda: h0.copy_(d0, non_blocking=True), device, repeats))
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
 
         def both() -> None:
@@ -130,21 +130,28 @@ def _measure_round(device_arena: torch.Tensor, host_arena: torch.Tensor,
             for s in streams:
                 torch.cuda.current_stream(device).wait_stream(s)
 
-        bidir = statistics.median(timed(both, device, repeats))
-    else:
-        # Worker threads, one per direction, as the engine's CPU lanes copy.
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-ceiling") as lanes:
-            h2d = statistics.median(timed(lambda: lanes.submit(d0.copy_, h0).result(), device,
-                                          repeats))
-            d2h = statistics.median(timed(lambda: lanes.submit(h0.copy_, d0).result(), device,
-                                          repeats))
+        return {"h2d": lambda: d0.copy_(h0, non_blocking=True),
+                "d2h": lambda: h0.copy_(d0, non_blocking=True), "bidir": both}
 
-            def both() -> None:
-                jobs = [lanes.submit(d0.copy_, h0), lanes.submit(h1.copy_, d1)]
-                for job in jobs:
-                    job.result()
+    def cpu_both() -> None:
+        for job in [lanes.submit(d0.copy_, h0), lanes.submit(h1.copy_, d1)]:
+            job.result()
 
-            bidir = statistics.median(timed(both, device, repeats))
+    return {"h2d": lambda: lanes.submit(d0.copy_, h0).result(),
+            "d2h": lambda: lanes.submit(h0.copy_, d0).result(), "bidir": cpu_both}
+
+
+def _measure_round(device_arena: torch.Tensor, host_arena: torch.Tensor,
+                   pinned: torch.Tensor | None, size: int, repeats: int) -> Ceilings:
+    device = device_arena.device
+    h0, h1 = host_arena[:size], host_arena[size: 2 * size]
+    if device.type == "cuda":
+        assert pinned is not None
+        h0, h1 = pinned[:size], pinned[size:]
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-ceiling") as lanes:
+        copies = raw_copies((device_arena[:size], device_arena[size: 2 * size]), (h0, h1), lanes)
+        h2d, d2h, bidir = (statistics.median(timed(copies[direction], device, repeats))
+                           for direction in ("h2d", "d2h", "bidir"))
     call_us, call_name = plain_call_us(device_arena, host_arena, repeats)
     return Ceilings(size, size / h2d / 1e9, size / d2h / 1e9, 2 * size / bidir / 1e9,
                     call_us, call_name)

@@ -8,8 +8,12 @@ does: by its row sums, checked on the way by the copy engine (transfer/copy/row_
 summed and copied on by the GPU; `load_gbps`), and, as for blocks that carry no row sums, by
 xxh3 on the checker threads (kvconnector/offload/checked_loads.py; `xxh3_load_gbps`). The writer
 stores a set as WRITER_JOBS jobs, as an engine stores one job per request, each summed by its
-copy engine and hashed once copied while the next ones copy: its store time runs until every
-block is hashed (what a commit needs).
+copy engine and committed by those row sums as soon as it is copied, while the next ones copy:
+its store time runs until every block is committed (`store_gbps`). Its xxh3s are taken after,
+as an engine's worker takes them (off the store's path, each slot checked against its committed
+row sums first: SlotChecker.hash_checked) and attached (`add_sums`): `late_hash_s` is how long
+after the last commit the last xxh3 was attached, `late_hash_gbps` the set's bytes over the time
+from the store's start to then.
 Rates are held against the same-run ceilings: the loads against the one-way host -> device
 copy; both directions at once (the writer storing a second set while this process loads the
 first, by row sums) against the bidirectional ceiling. Metadata cost per block: lookup + pin +
@@ -36,6 +40,7 @@ from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
 from kvconnector.servers.pool import PoolProcess
+from transfer.checksums import hashed
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
 from transfer.pool import HostPool
@@ -92,11 +97,12 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
         writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), theirs),
                              daemon=True)
         writer.start()
-        index = SharedIndex(name, namespace, block_bytes)
+        # it loads by row sums (the blocks' xxh3s: once the writer attached them, checked below)
+        index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True)
         checker = SlotChecker()
         pool = cache = engine = None
         try:
-            store_s = _answer(ours)  # the writer stored set 0
+            store_s, late_s, hashed_s = _answer(ours)  # the writer stored and hashed set 0
             keys = [_key(namespace, 0, i) for i in range(n)]
             pool = HostPool.attach(index.segment, pinned=device.type == "cuda")
             cache = allocate_slots(n, block_bytes, device=device)
@@ -113,6 +119,8 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 if hits != n or plan is None:
                     raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
                 slots = plan.slots
+                if not all(hashed(s) for s in plan.sums):
+                    raise RuntimeError("the writer's blocks lack their xxh3s")
                 _load_summed(engine, 2 * r, ids, slots, [s[1] for s in plan.sums])
                 t2 = time.perf_counter()
                 index.complete_load(keys)
@@ -153,6 +161,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     nbytes = n * block_bytes
     return {"block_bytes": block_bytes, "blocks": n,
             "store_gbps": nbytes / store_s / 1e9,
+            "late_hash_s": late_s, "late_hash_gbps": nbytes / hashed_s / 1e9,
             "load_gbps": nbytes / statistics.median(load_s[1:]) / 1e9,
             "xxh3_load_gbps": nbytes / statistics.median(xxh3_s[1:]) / 1e9,
             "bidir_gbps": 2 * nbytes / (max(t1, w1) - min(t0, w0)) / 1e9,
@@ -224,7 +233,9 @@ def _answer(conn: Connection) -> Any:
 
 
 def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) -> None:
-    """Another engine: store set 0 (answer its seconds), then on "go" set 1 (answer when)."""
+    """Another engine: store set 0 (answer the seconds to commit it, from the last commit to
+    the last xxh3 attached, and from the store's start to then), then on "go" set 1 (answer
+    when it began and was committed; its xxh3s follow)."""
     try:
         namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
         index = SharedIndex(name, namespace, block_bytes)
@@ -247,26 +258,40 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
                 engine.get_finished()
             if batch == 1 and conn.recv() != "go":
                 return
-            # As an engine's worker stores: one job per request (here WRITER_JOBS), each hashed
-            # once copied, while the next ones copy; timed until every block is hashed.
+            # As an engine's worker stores: one job per request (here WRITER_JOBS), each
+            # committed by its row sums once copied, while the next ones copy; timed until
+            # every block is committed. Each job's xxh3s are taken after its commit.
             parts = [slice(i, i + -(-n // WRITER_JOBS)) for i in range(0, n, -(-n // WRITER_JOBS))]
             t0, w0 = time.perf_counter(), time.time()
             for j, part in enumerate(parts):
                 engine.submit_store(2 * j + batch, ids[part], plan.slots[part], sums=True)
-            hashes = []
+            later, committed, finished = [], [], {}
             for j, part in enumerate(parts):
                 engine.wait([2 * j + batch])
-                hashes.append(checker.hash(pool.slots, plan.slots[part], keys[part]))
-            sums = [s for future in hashes for s in future.result()]  # what a commit needs
+                finished.update((res.job_id, res) for res in engine.get_finished())
+                result = finished.pop(2 * j + batch)
+                if not result.ok or len(result.sums) != len(keys[part]):
+                    raise RuntimeError(f"store job {result.job_id} failed: {result}")
+                index.complete_store(keys[part], True, [[None, r] for r in result.sums])
+                committed.append(list(result.sums))
+                later.append(checker.hash_checked(pool.slots, plan.slots[part], keys[part],
+                                                  result.sums))
+            index.pool_stats()  # every commit applied: readable
             t1, w1 = time.perf_counter(), time.time()
-            results = sorted(engine.get_finished(), key=lambda res: res.job_id)
-            if not all(res.ok for res in results):
-                raise RuntimeError("a store job failed")
-            row_sums = [s for res in results for s in res.sums]
-            index.complete_store(keys, True, [[s, r] for s, r in zip(sums, row_sums,
-                                                                    strict=True)])
-            index.pool_stats()  # committed before we answer
-            conn.send(t1 - t0 if batch == 0 else (w0, w1))
+            if batch == 1:
+                conn.send((w0, w1))
+            for part, future, rows in zip(parts, later, committed, strict=True):
+                xxh3s = future.result()
+                if None in xxh3s:
+                    raise RuntimeError("a slot changed between its commit and its hash")
+                attached = index.add_sums(keys[part], [[x, r] for x, r in zip(xxh3s, rows,
+                                                                              strict=True)],
+                                          plan.slots[part])
+                if not all(attached):
+                    raise RuntimeError("the pool refused a block's xxh3")
+            t2 = time.perf_counter()
+            if batch == 0:
+                conn.send((t1 - t0, t2 - t1, t2 - t0))
         conn.recv()
         checker.close()
         engine.close()

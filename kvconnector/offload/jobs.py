@@ -90,9 +90,13 @@ class JobReport:
     store_bytes: int = 0
     store_seconds: float = 0.0
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier -> its counts
-    # store -> rank -> its xxh3s, then row sums where taken (transfer.checksums.block_sums)
-    sums: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    # store -> rank -> its xxh3s (None each: committed by row sums, hashed after), then row
+    # sums where taken (transfer.checksums.block_sums)
+    sums: dict[int, dict[int, list[int | None]]] = field(default_factory=dict)
     checksum_failures: int = 0  # loads refused: a checked pool's block checksum differed
+    # store committed by row sums -> rank -> its blocks' xxh3s, taken after the commit (None: the
+    # slot no longer matched the committed row sums)
+    hashed: dict[int, dict[int, list[int | None]]] = field(default_factory=dict)
 
     def merged(self, other: JobReport) -> JobReport:
         counts = [_summed(a, b) for a, b in ((self.done, other.done), (self.failed, other.failed),
@@ -105,7 +109,10 @@ class JobReport:
         for job_id, ranks in other.sums.items():
             sums.setdefault(job_id, {}).update(ranks)
         failures = self.checksum_failures + other.checksum_failures
-        out = JobReport(*counts, bad, *totals, {}, sums, failures)
+        hashed = {job: dict(ranks) for job, ranks in self.hashed.items()}
+        for job_id, ranks in other.hashed.items():
+            hashed.setdefault(job_id, {}).update(ranks)
+        out = JobReport(*counts, bad, *totals, {}, sums, failures, hashed)
         for report in (self, other):
             for tier, tier_counts in report.tiers.items():
                 out.count(tier, tier_counts)
@@ -115,7 +122,7 @@ class JobReport:
         """Nothing to send (a report of tier counts or bad keys alone is not empty)."""
         return not (self.done or self.failed or self.written or self.bad
                     or any(any(c.values()) for c in self.tiers.values())
-                    or self.checksum_failures)
+                    or self.checksum_failures or self.hashed)
 
     def count(self, tier: str, counts: dict[str, float]) -> None:
         """Add a tier's counts."""

@@ -30,7 +30,7 @@ from kvconnector.offload.groups import CacheGroup, window_blocks
 from kvconnector.offload.jobs import StepJobs, TransferJob
 from kvconnector.offload.records import Job, Lookup, OffloadCounters, RequestState, Write
 from transfer.block_index import PoolIndex, StorePlan
-from transfer.checksums import split_sums
+from transfer.checksums import hashed, split_sums
 from transfer.keys import Namespace, block_hash_bytes
 from transfer.tier import TierOp, TierPlanner
 
@@ -107,7 +107,7 @@ class LoadPlanner:
             wait, ask = self._prefetch_wait(rest)  # blocks being fetched ahead (prefetch.py)
             if wait:
                 return None
-            rest = rest[:ask]
+            rest = self._not_on_their_way(rest[:ask])
         for tier in self.tiers:
             if not rest or not room:
                 break
@@ -121,8 +121,31 @@ class LoadPlanner:
             total, room, rest = total + taken, room - taken, rest[taken:]
             if found > taken:  # the pool cannot take more now: nothing past them either
                 break
+        if total > hits and getattr(self.index, "row_sum_reader", False):
+            hashed_upto = self._hashed_prefix(keys[:hits])
+            if hashed_upto < hits:  # fetches would make it a load checked by xxh3: none
+                lookup, total = Lookup(start, len(hashes), hashed_upto, keys[hashed_upto:]), \
+                    hashed_upto
         self._lookups[req_id] = lookup
         return total * self.block_size
+
+    def _hashed_prefix(self, keys: list[bytes]) -> int:
+        """How many leading `keys` carry their xxh3s. A row-sum reader's load with fetched
+        blocks is checked by xxh3 (its fetched blocks carry no row sums): a pool block not
+        hashed yet would fail that check, so such a load ends before the first of them."""
+        committed = self.index.checksums(keys)  # type: ignore[attr-defined]
+        return next((i for i, sums in enumerate(committed) if not hashed(sums or ())),
+                    len(keys))
+
+    def _not_on_their_way(self, keys: list[bytes]) -> list[bytes]:
+        """The leading `keys` that no store or fetch is bringing into the pool now. A fetch
+        cannot reserve a slot for a key on its way (another request's load fetching it, or a
+        store of it), so a load offered it would fail and vLLM would recompute: a lookup offers
+        none from there on. (A shared pool's index cannot tell: its lookups are unchanged.)"""
+        storing = getattr(self.index, "is_being_stored", None)
+        if storing is None:
+            return keys
+        return next((keys[:i] for i, key in enumerate(keys) if storing(key)), keys)
 
     def _below(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per key the pool lacks, the first tier (its index in `tiers`) that holds it."""
@@ -229,6 +252,9 @@ class LoadPlanner:
             if name != POOL:
                 self._counters.add(name, {"hit_tokens": blocks * self.block_size})
         plan = self.index.prepare_load(keys)
+        if plan is not None and self.checked and self._unhashed_for_xxh3(plan.sums, fetches):
+            self.index.complete_load(keys)  # its check would fail a block that is fine: unpin,
+            plan = None  # and the load fails with no key to drop (vLLM computes them)
         if plan is None:  # a shared pool lost a key since the lookup: fail, pinning nothing
             keys, fetches = [], []
         job_id = self._add_job(state, req_id, False, keys, start)
@@ -252,6 +278,15 @@ class LoadPlanner:
                                             tuple(keys) if sums else (), sums, row_sums,
                                             tuple(ops or ())))
         return {name: blocks for name, blocks in split.items() if blocks}
+
+    def _unhashed_for_xxh3(self, sums: Sequence[list[int | None]],
+                           fetches: Sequence[object]) -> bool:
+        """Whether a load would be checked by xxh3 (a block lacks row sums, or it fetches)
+        while one of its pool blocks is not hashed yet (committed by row sums since the
+        lookup, e.g. evicted and stored again): that check would fail a good block."""
+        if all(hashed(s) for s in sums):
+            return False
+        return bool(fetches) or not all(split_sums(s, self.num_workers)[1] for s in sums)
 
     def _plan_fetches(self, job_id: int, fetches: list[tuple[TierPlanner, list[bytes]]]
                       ) -> list[TierOp] | None:
@@ -311,16 +346,26 @@ class LoadPlanner:
     def _write_evicted(self, plan: StorePlan) -> None:
         """Blocks the pool evicts go to the tiers that keep evicted blocks, before their slots
         are written again (a shared pool's plan may evict other engines' blocks: those are
-        theirs)."""
+        theirs). A checked pool's go with the xxh3s they were committed with (the tier keeps
+        them, and checks the bytes it returns against them); one evicted before its xxh3s were
+        attached (committed by row sums) is not written: it could not be checked."""
         if not plan.evicted:
             return
         if self.events is not None:  # a shared pool's other engines' keys: none announced
             self.events.removed(POOL, plan.evicted)
         own = [(k, s) for k, s in zip(plan.evicted, plan.evicted_slots, strict=True)
                if self.namespace.owns(k)]
+        sums = None
+        if self.checked and own and any(not t.writes_stored for t in self.tiers):
+            known = getattr(self.index, "evicted_sums", {})
+            kept = [(k, s) for k, s in own if hashed(known.get(k) or ())]
+            self._counters.unhashed_spills_dropped += len(own) - len(kept)
+            own = kept
+            sums = [list(known[k][:self.num_workers]) for k, _ in own]
         for tier in self.tiers:
             if own and not tier.writes_stored:
-                self._write(tier, [k for k, _ in own], [s for _, s in own], evicted=True)
+                self._write(tier, [k for k, _ in own], [s for _, s in own], evicted=True,
+                            sums=sums)
 
     def _write(self, tier: TierPlanner, keys: list[bytes], slots: list[int], *,
                evicted: bool, pinned: bool = False,

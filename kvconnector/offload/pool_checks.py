@@ -1,11 +1,16 @@
 """A worker's checksums of a shared pool's blocks, job by job (transfer/slot_checker.py).
 
-A store is hashed once its copy is done and reported with its checksums (the scheduler commits
-it with every rank's); a worker whose cache is on a GPU (ROW_SUMS_DEVICES) also reports its
-blocks' row sums (transfer/copy/row_sums.py), taken by its copy engine, and checks a load whose
-blocks all carry them on the way, by its copy engine (`expected`): no host hashing on the load
-path. Else a load's blocks are checked before they are copied, chunk by chunk (`loads`:
-checked_loads.py), and the load is reported once its checks and copies are done;
+A store whose copy took its blocks' row sums (transfer/copy/row_sums.py: a worker whose cache is
+on a GPU, ROW_SUMS_DEVICES) is reported as soon as its copy is done, with its row sums only (the
+scheduler commits it by them: no host hashing on the store's path); its xxh3s are taken after,
+on the checker's threads (`SlotChecker.hash_checked`: only of slot bytes whose row sums still
+match the commit) and reported apart (`JobReport.hashed`, None for a block whose slot changed
+since: the scheduler drops it), for the readers, tiers and disks that check by xxh3. Any other
+store is hashed once its copy is done and reported with its checksums. A GPU worker checks a
+load whose blocks all carry row sums on the way, by its copy engine (`expected`): no host
+hashing on the load path. Else a load's blocks are checked before they are copied, chunk by
+chunk (`loads`: checked_loads.py; a block not yet hashed fails its check), and the load is
+reported once its checks and copies are done;
 blocks a load fetched into the pool (from a tier below) are hashed, so they stay in the pool
 with their checksums (those its tier verified are taken as they are). This worker's part
 of every slot is `rows`; its checksum is entry `rank` of each block's per-rank list.
@@ -39,6 +44,8 @@ class PoolChecks:
         self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
         self._row_sums: dict[int, tuple[int, ...]] = {}  # store being hashed -> its row sums
         self._hashing: dict[int, Future[list[int]]] = {}  # store copied -> its checksums
+        # store committed by its row sums -> its xxh3s (None: the slot no longer matched)
+        self._hashing_later: dict[int, tuple[Future[list[int | None]], int]] = {}
         self.loads = CheckedLoads(self.checker, rank)
         self._fetched: dict[int, Future[list[int]]] = {}  # load -> its fetched blocks' sums
 
@@ -58,12 +65,19 @@ class PoolChecks:
         if job.checked:
             self._stores[job.job_id] = (job.checked, job.slots)
 
-    def store_copied(self, result: CopyResult, rows: torch.Tensor) -> bool:
-        """True when the store is being hashed now (reported by `hashed`); False: report it."""
+    def store_copied(self, result: CopyResult, rows: torch.Tensor, report: JobReport) -> bool:
+        """True when the store is being hashed now (reported by `report_hashed`); False: report
+        it now (one whose copy took its row sums has them in `report` already: it commits by
+        them, and its xxh3s follow from `report_hashed`)."""
         checked = self._stores.pop(result.job_id, None)
         if not result.ok or checked is None:
             return False
         keys, slots = checked
+        if len(result.sums) == len(keys) and keys:  # commit by row sums, hash after
+            report.sums[result.job_id] = {self.rank: [None] * len(keys) + list(result.sums)}
+            later = self.checker.hash_checked(rows, slots, keys, result.sums)
+            self._hashing_later[result.job_id] = (later, len(keys))
+            return False
         self._hashing[result.job_id] = self.checker.hash(rows, slots, keys)
         self._row_sums[result.job_id] = result.sums
         return True
@@ -71,7 +85,8 @@ class PoolChecks:
     def report_hashed(self, report: JobReport) -> list[int]:
         """Stores hashed since the last call, into `report`: done with their checksums (the
         blocks' xxh3s, then their row sums where the copy took them), or failed when hashing
-        failed (never committed). Returns their job ids."""
+        failed (never committed); and the xxh3s of stores committed by row sums
+        (`report.hashed`). Returns the job ids of the former."""
         out = []
         for job_id, future in list(self._hashing.items()):
             if future.done():
@@ -83,7 +98,17 @@ class PoolChecks:
                 else:
                     report.failed[job_id] = 1
                 out.append(job_id)
+        for job_id, (later, blocks) in list(self._hashing_later.items()):
+            if later.done():  # a hash that could not run proves nothing: no xxh3 (dropped)
+                del self._hashing_later[job_id]
+                report.hashed[job_id] = {self.rank: later.result() if later.exception() is None
+                                         else [None] * blocks}
         return out
+
+    @property
+    def hashing_later(self) -> int:
+        """Stores committed by row sums whose xxh3s are still being taken."""
+        return len(self._hashing_later)
 
     # ---- loads ----------------------------------------------------------------------------
 
@@ -145,7 +170,8 @@ class PoolChecks:
 
     def wait(self) -> None:
         """Block until every hash and check started is done."""
-        for future in [*self._hashing.values(), *self._fetched.values()]:
+        for future in [*self._hashing.values(), *self._fetched.values(),
+                       *(later for later, _ in self._hashing_later.values())]:
             future.exception()
         self.loads.wait()
 

@@ -24,6 +24,9 @@ class OffloadCounters:
     shed_blocks: int = 0  # not stored: max_store_blocks_in_flight reached (backpressure)
     prefetched_blocks: int = 0  # fetched from a tier into the pool ahead of a waiting request
     checksum_failures: int = 0  # loads refused: a checked pool's block checksum differed
+    # blocks committed by row sums whose slot no longer matched them when hashed after: dropped
+    late_hash_mismatches: int = 0
+    unhashed_spills_dropped: int = 0  # evicted before their xxh3s came: not written below
     jobs_in_flight: int = 0  # a gauge: planned or running, not yet reported by every worker
     # per tier below the pool: its hit_tokens (of hit_tokens, served from it) and its own counts
     tiers: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -61,10 +64,25 @@ class Job:
     failed: bool = False
     fetches: list[tuple[str, list[bytes]]] = field(default_factory=list)  # load: per tier
     # a checked pool's store (or fetch): rank -> checksums of the blocks it wrote
-    sums: dict[int, list[int]] = field(default_factory=dict)
+    sums: dict[int, list[int | None]] = field(default_factory=dict)
+    # a store committed by row sums: rank -> its blocks' xxh3s, taken after (None: no match)
+    hashed: dict[int, list[int | None]] = field(default_factory=dict)
     # store of sliding window blocks: vLLM frees one of them once the request's computed
     # tokens reach this; the job must be flushed before a forward may write the block again
     leaves_at: int | None = None
+    slots: list[int] = field(default_factory=list)  # a store's pool slots, in key order
+
+
+@dataclass
+class LateHash:
+    """A store committed by its row sums, waiting for every rank's xxh3s (`Job.hashed`)."""
+
+    keys: list[bytes]
+    committed: list[list[int | None]]  # per block what it was committed with
+    hashed: dict[int, list[int | None]]  # rank -> per block its xxh3 (None: the slot changed)
+    epoch: int
+    resets: int
+    slots: list[int]  # where each block was committed (the daemon matches its record)
 
 
 @dataclass

@@ -23,7 +23,11 @@ and vLLM recomputes), jobs carry the segment their slots live in, and a job plan
 connection that is gone (a restarted daemon) completes nothing in the new one (its lease went
 with the connection). Its blocks carry checksums: every worker hashes its part of a stored
 block (`JobReport.sums`), the store commits with them, and a load hands them to the workers,
-which check their parts (transfer/slot_checker.py).
+which check their parts (transfer/slot_checker.py). GPU workers report the row sums their copy
+took instead, and the store commits by them at once; their xxh3s follow (`JobReport.hashed`,
+taken from slots that still match the commit) and are attached to the committed blocks
+(`index.add_sums`), a block whose slot no longer matched is dropped, and only then does it go to
+the tiers that keep xxh3s (one evicted before is not written below: it could not be checked).
 
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
@@ -42,9 +46,9 @@ from kvconnector.offload.groups import CacheGroup
 from kvconnector.offload.jobs import JobReport, StepJobs, TransferJob
 from kvconnector.offload.loads import POOL, LoadPlanner
 from kvconnector.offload.prefetch import PrefetchPlanner, PrefetchRules
-from kvconnector.offload.records import Job, OffloadCounters, RequestState
+from kvconnector.offload.records import Job, LateHash, OffloadCounters, RequestState
 from transfer.block_index import BlockIndex, PoolIndex
-from transfer.checksums import block_sums
+from transfer.checksums import block_sums, hashed
 from transfer.keys import Namespace
 from transfer.tier import TierPlanner
 
@@ -105,6 +109,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         self._jobs = {}
         self._writes = {}  # tier write id -> its Write (pool keys pinned until it is done)
         self._bad: dict[int, list[bytes]] = {}  # tier op -> keys that failed there so far
+        self._late: dict[int, LateHash] = {}  # store committed by row sums -> its xxh3s so far
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
@@ -183,6 +188,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                 self.events.planned(req_id, plan.keys)
             first_block = min(position[k][1] for k in plan.keys)
             job_id = self._add_job(state, req_id, True, plan.keys, first_block)
+            self._jobs[job_id].slots = list(plan.slots)
             if leaves_at is not None:
                 self._jobs[job_id].leaves_at = leaves_at
                 self._windowed.add(job_id)
@@ -270,6 +276,11 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         for job_id, ranks in report.sums.items():
             if job_id in self._jobs:
                 self._jobs[job_id].sums.update(ranks)
+        for job_id, ranks in report.hashed.items():  # may come before the job's last report
+            if job_id in self._jobs:
+                self._jobs[job_id].hashed.update(ranks)
+            elif job_id in self._late:
+                self._late[job_id].hashed.update(ranks)
         for op_id, keys in report.bad.items():
             if op_id in self._jobs or op_id in self._writes:
                 known = self._bad.setdefault(op_id, [])  # ranks report the same key apart
@@ -293,6 +304,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         for job_id in {**report.done, **report.failed}:
             if self._jobs[job_id].pending == 0:
                 self._finish(job_id)
+        self._attach_hashes()
 
     def _finish_write(self, write_id: int) -> None:
         write = self._writes.pop(write_id)
@@ -317,26 +329,34 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         state = self._requests[job.req_id]
         state.jobs.discard(job_id)
         live = job.epoch == self.index.epoch  # else its lease went with an old connection
+        late = False  # committed by row sums: its xxh3s still to come
         if job.is_store:
             if self.checked and not job.failed:
-                job.failed = self._commit(job.keys, job.sums, live)
+                committed = self._commit(job.keys, job.sums, live)
+                job.failed = committed is None
+                late = committed is not None and not all(hashed(s) for s in committed)
+                if late:  # a rank that hashed before its report needs no later hash
+                    n = len(job.keys)
+                    ranks = {r: s[:n] for r, s in job.sums.items() if None not in s[:n]}
+                    self._late[job_id] = LateHash(job.keys, committed, {**ranks, **job.hashed},
+                                                  job.epoch, job.resets, job.slots)
             elif live:
                 self.index.complete_store(job.keys, not job.failed)
-            if self.events is not None:
+            if self.events is not None and not (late and live):  # else once hashed (below)
                 if not job.failed and live and job.resets == self._resets:
                     self.events.stored(POOL, job.keys)  # every worker stored it: loadable
                 else:
                     self.events.settled(job.keys)
             self._counters.failed_stores += job.failed
-            if not job.failed and live and job.resets == self._resets:
-                self._write_stored(job)  # a reset since left its keys draining: not written
+            if not job.failed and live and job.resets == self._resets and not late:
+                self._write_stored(job.keys, self._xxh3s(job.keys, job.sums))
         else:
             fetched = [key for _, keys in job.fetches for key in keys]
             kept = False  # the fetched blocks stay in the pool
             if live:
                 self.index.complete_load(job.keys)
                 if fetched and self.checked and not job.failed:
-                    kept = not self._commit(fetched, job.sums, live)
+                    kept = self._commit(fetched, job.sums, live) is not None
                 elif fetched:
                     kept = not job.failed and not self.staging
                     self.index.complete_store(fetched, kept)
@@ -355,35 +375,92 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                                   job.failed and live)
         self._forget_if_idle(job.req_id)
 
-    def _write_stored(self, job: Job) -> None:
-        """A stored block goes to every tier that writes stored blocks, pinned in the pool while
-        written (a checked pool's with the checksums it was committed with; one another engine
-        evicted since is not)."""
-        sums = None
-        if self.checked:  # the xxh3s: what a tier may keep to check the bytes it returns
-            sums = [list(s) for s in zip(*(job.sums[r][:len(job.keys)]
-                                           for r in range(self.num_workers)), strict=True)]
+    def _xxh3s(self, keys: list[bytes], by_rank: dict[int, list[int | None]]
+               ) -> list[list[int]] | None:
+        """Per block its ranks' xxh3s (a checked pool's; None for a private pool's)."""
+        if not self.checked:
+            return None
+        return [list(s) for s in zip(*(by_rank[r][:len(keys)] for r in range(self.num_workers)),
+                                     strict=True)]
+
+    def _write_stored(self, keys: list[bytes], sums: list[list[int]] | None) -> None:
+        """Stored blocks go to every tier that writes stored blocks, pinned in the pool while
+        written (a checked pool's with their xxh3s, `sums`: what a tier may keep to check the
+        bytes it returns; one another engine evicted since is not, the rest are)."""
         for tier in self.tiers:
             if not tier.writes_stored:
                 continue
-            plan = self.index.prepare_load(job.keys)
+            plan = self.index.prepare_load(keys)
+            if plan is None:  # one is gone (evicted since): write those still there
+                there = [i for i, ok in enumerate(self.index.present(keys)) if ok]
+                keys = [keys[i] for i in there]
+                sums = None if sums is None else [sums[i] for i in there]
+                plan = self.index.prepare_load(keys) if keys else None
             if plan is None:
                 return
-            written = self._write(tier, job.keys, plan.slots, evicted=False, pinned=True,
-                                  sums=sums)
-            if len(written) < len(job.keys):
-                self.index.complete_load([k for k in job.keys if k not in written])
+            written = self._write(tier, keys, plan.slots, evicted=False, pinned=True, sums=sums)
+            if len(written) < len(keys):
+                self.index.complete_load([k for k in keys if k not in written])
 
-    def _commit(self, keys: list[bytes], by_rank: dict[int, list[int]], live: bool) -> bool:
-        """Commit blocks stored (or fetched) into a shared pool with every rank's checksums;
-        True when it failed (a rank's are missing: such a block could never be checked)."""
+    def _commit(self, keys: list[bytes], by_rank: dict[int, list[int | None]],
+                live: bool) -> list[list[int | None]] | None:
+        """Commit blocks stored (or fetched) into a shared pool with every rank's checksums
+        (transfer.checksums.block_sums: a block some rank did not hash is committed by its row
+        sums); returns what each was committed with, None when it failed (a rank's are missing:
+        such a block could never be checked)."""
         ranks = [by_rank.get(rank) for rank in range(self.num_workers)]
-        failed = any(sums is None or len(sums) not in (len(keys), 2 * len(keys))
-                     for sums in ranks)
+        sums = None
+        if not any(s is None or len(s) not in (len(keys), 2 * len(keys)) for s in ranks):
+            sums = block_sums(ranks, len(keys))  # type: ignore[arg-type]
         if live:
-            sums = None if failed else block_sums(ranks, len(keys))
-            self.index.complete_store(keys, not failed, sums)
-        return failed
+            self.index.complete_store(keys, sums is not None, sums)
+        return sums
+
+    def _attach_hashes(self) -> None:
+        """Stores committed by row sums whose xxh3s every rank has reported: attach them to the
+        blocks that still match (`add_sums`, one round trip; a block whose slot changed since
+        its commit is dropped, counted where the daemon dropped it), publish the blocks
+        attached as stored (loadable by every reader only now), then write them, job by job,
+        to the tiers that write stored blocks."""
+        done = [(job_id, late) for job_id, late in self._late.items()
+                if len(late.hashed) == self.num_workers]
+        if not done:
+            return
+        keys, lists, slots = [], [], []
+        for job_id, late in done:
+            del self._late[job_id]
+            if late.epoch != self.index.epoch:  # its lease went with an old connection
+                if self.events is not None:
+                    self.events.settled(late.keys)
+                continue
+            for i, (key, committed) in enumerate(zip(late.keys, late.committed, strict=True)):
+                if hashed(committed):  # a rank hashed it before its report: committed whole
+                    continue
+                xxh3s = [late.hashed[rank][i] for rank in range(self.num_workers)]
+                if None in xxh3s:  # its slot no longer holds what was committed: drop it
+                    xxh3s = [None] * self.num_workers
+                keys.append(key)
+                lists.append(xxh3s + committed[self.num_workers:])
+                slots.append(late.slots[i])
+        applied = dict(zip(keys, self.index.add_sums(keys, lists, slots),  # type: ignore
+                           strict=True))
+        xxh3s = dict(zip(keys, lists, strict=True))
+        for _, late in done:
+            if late.epoch != self.index.epoch:
+                continue
+            self._counters.late_hash_mismatches += sum(
+                1 for key in late.keys if applied.get(key) and xxh3s[key][0] is None)
+            good = [(key, xxh3s[key][:self.num_workers] if key in xxh3s else committed)
+                    for key, committed in zip(late.keys, late.committed, strict=True)
+                    if hashed(committed) or (applied[key] and xxh3s[key][0] is not None)]
+            fresh = late.resets == self._resets  # else a reset since: not published nor written
+            if self.events is not None:
+                if fresh:
+                    self.events.stored(POOL, [key for key, _ in good])
+                self.events.settled(late.keys)  # the rest: never loadable here
+            if good and fresh and any(tier.writes_stored for tier in self.tiers):
+                self._write_stored([key for key, _ in good],
+                                   [list(s[:self.num_workers]) for _, s in good])
 
     def _forget_if_idle(self, req_id: str) -> None:
         state = self._requests[req_id]
@@ -451,7 +528,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
 
     def has_jobs(self) -> bool:
         """Jobs planned or in flight: the engine must keep stepping to complete them."""
-        return bool(self._jobs or self._writes)
+        return bool(self._jobs or self._writes or self._late)
 
     def take_counters(self) -> OffloadCounters:
         """Counters since the last call (jobs_in_flight is the current value)."""

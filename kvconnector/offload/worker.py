@@ -11,7 +11,8 @@ hands over, finds what lies behind them (kvconnector.layout.recognize) and moves
 With a shared pool (`mapping`, transfer/shared/): no private pool; the worker maps the segment
 its jobs name (at the first job, and again when a restarted daemon names a new one, after
 finishing every job on the old mapping) and copies into its part of each slot. Its blocks carry
-checksums (pool_checks.py): a store hashes this worker's part once copied and reports it; a load
+checksums (pool_checks.py): a store reports the row sums its copy took (hashed after the
+commit), or else hashes this worker's part once copied and reports it; a load
 copies a block only once checked (checked_loads.py) and fails from the first block that differs.
 
 Per step (see StepJobs): `flush` before the forward (stores whose blocks a preemption freed),
@@ -179,6 +180,8 @@ class OffloadWorker:
             while self.jobs_in_flight:
                 self.drain()
                 self._stash.update(self.poll())
+            if self.checks is not None:  # hashes after a commit read the old slots too
+                self.checks.wait()
             self.engine.close()
             for tier in self.tiers.values():
                 tier.release()
@@ -345,10 +348,11 @@ class OffloadWorker:
             self._copied += self.checks.loads.settled(self.engine)
 
     def _store_copied(self, result: CopyResult) -> None:
-        """A store's copy ended: a shared pool's is hashed before it is reported done
-        (`_poll_hashes`), so the scheduler commits it with its checksums."""
+        """A store's copy ended: a shared pool's is reported done with its row sums where the
+        copy took them (hashed after its commit), else hashed before it is reported done, so
+        the scheduler commits it with its checksums (pool_checks.py)."""
         report, job_id = self._report, result.job_id
-        if self.checks is None or not self.checks.store_copied(result, self._rows):
+        if self.checks is None or not self.checks.store_copied(result, self._rows, report):
             (report.done if result.ok else report.failed)[job_id] = 1
             del self._stores[job_id]
         report.store_bytes += result.nbytes

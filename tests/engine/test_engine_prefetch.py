@@ -10,9 +10,9 @@ stops. Each next engine gets all 16 at once: every output (tokens and logprobs) 
 the first engine's, which computed them; every loadable token is a hit; without prefetch all
 of them come from the store, with it the blocks fetched ahead are pool hits, and the store
 serves exactly the rest. The sum over the requests of their time from queued to first token
-(waiting, fetching and computing the last block) is printed for both, with their ratio: a
-figure for docs/design.md, not an assertion (speed is measured by benchmarks, never by a timed
-test).
+is printed for both, with their ratio, not asserted: speed is measured by benchmarks, never by a
+timed test (benchmarks/bench_prefetch.py measures what prefetch hides: a queue whose every
+request is mostly its fetch).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Two real engines sharing one `kvconnector store serve` process (a child process on loopback):
 the second engine's first request is served from the store, bit-identical to the first engine's;
-then the store is killed between a lookup and its load, and vLLM recomputes (policy
-"recompute"; the store is back, empty, for the new lookup): identical output, the failure
-counted, nothing corrupt left in any tier.
+then the store (every worker process of it) is killed between a lookup and its load, and vLLM
+recomputes (policy "recompute"; the store is back, empty, its workers on new ports, for the new
+lookup): identical output, the failure counted, nothing corrupt left in any tier.
 
 Both engines are in-process TP 1 engines of the same configuration, run one after the other:
 their outputs are compared exactly, as within one engine.
@@ -10,7 +10,11 @@ their outputs are compared exactly, as within one engine.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -48,14 +52,35 @@ def _extra(url: str) -> dict[str, Any]:
             "remote_lookup_deadline_s": REMOTE_DEADLINE_S, "remote_timeout_s": REMOTE_DEADLINE_S}
 
 
+def _kill_whole_store(store: StoreProcess) -> None:
+    """SIGKILL the store and its worker processes at once. A store runs a process per worker
+    (the default: half the cores, so 8 on 16 and 1 on 2); SIGKILL to the first alone leaves the
+    others serving until they notice it gone, and a get sent meanwhile may bring back the blocks
+    they hold (checksummed, so good ones, and vLLM recomputes the request whole anyway)."""
+    parent = store.process.pid
+    workers = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with suppress(OSError):
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                workers.append(int(entry))
+    for pid in workers:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    store.kill()
+
+
 @pytest.fixture(scope="module")
 def first_engine_outputs(tiny_model: str, store: StoreProcess) -> dict[str, Generation]:
     """The first engine computes both prompts (stored in its CPU tier and put to the store),
-    waits for every put, and shuts down."""
+    serves each again from vLLM's own prefix cache ("NAME reused": what a load is compared with,
+    engine_checks.compute_then_reload says why), waits for every put, and shuts down."""
     with running_llm(tiny_model, _extra(store.url)) as llm:
         outputs = {"shared": generate(llm, SHARED), "lost": generate(llm, LOST)}
+        assert all(out.num_cached_tokens == 0 for out in outputs.values()), outputs
+        for name, prompt in (("shared", SHARED), ("lost", LOST)):
+            outputs[f"{name} reused"] = generate(llm, prompt)
+            assert outputs[f"{name} reused"].num_cached_tokens == STORED_TOKENS, outputs
         settle(llm)
-    assert all(out.num_cached_tokens == 0 for out in outputs.values()), outputs
     return outputs
 
 
@@ -68,7 +93,7 @@ def second_engine(tiny_model: str, store: StoreProcess,
 
 def test_the_second_engine_serves_its_first_request_from_the_store(
         second_engine: LLM, first_engine_outputs: dict[str, Generation]) -> None:
-    llm, reference = second_engine, first_engine_outputs["shared"]
+    llm, reference = second_engine, first_engine_outputs["shared reused"]
     before = counters(llm)
     got = generate(llm, SHARED)
     gained = counted(llm, before)
@@ -93,13 +118,14 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
 
     def kill_then_allocate(request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens and not killed:  # the lookup found them; no get has started
-            store.kill()
+            _kill_whole_store(store)
             killed.append(num_external_tokens)
         allocated(request, blocks, num_external_tokens)
 
     def restart_then_look_up(request: Any, num_computed_tokens: int) -> Any:
-        # After the failed load vLLM looks the request up again: the store is back, empty (a
-        # dead one would hold it for the whole lookup deadline, for the same answer: none)
+        # After the failed load vLLM looks the request up again: the store is back, empty, its
+        # workers on new ports, which the lookup client asks for (a dead store, or the old
+        # workers' ports, would hold it for the whole lookup deadline, for the same answer: none)
         if killed and store.process.poll() is not None:
             store.start()
         return looked_up(request, num_computed_tokens)
@@ -116,14 +142,21 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
     # No byte was loaded (below), and the output is identical: recomputed.
     assert got.num_cached_tokens in (0, STORED_TOKENS), got
     assert gained["kvconnector_failed_loads"] == 1, gained  # the request's one load job
+    # every worker died before the get: nothing to load (the get waits out its deadline)
     assert gained["kvconnector_load_bytes"] == 0, gained
+    # the new lookup reached the restarted store, not the dead workers' ports: answered, no miss
+    # for a failure (nor a store counted down for 10 lookup deadlines)
+    assert gained["kvconnector_remote_lookup_failures"] == 0, gained
+    assert gained["kvconnector_hit_tokens"] == STORED_TOKENS, gained  # the first lookup only
+    assert gained["kvconnector_miss_tokens"] == STORED_TOKENS, gained  # the one after the failure
     # vLLM counts the tokens whose load then failed as external hits: only the two above tell
     assert gained["external_prefix_cache_hits"] == STORED_TOKENS, gained
     assert store.process.poll() is None  # restarted for the new lookup
     monkeypatch.undo()
 
     # nothing corrupt was kept: the recomputed blocks reload from the CPU tier identically
-    again, gained = reload(llm, LOST, reference)
+    reused = first_engine_outputs["lost reused"]
+    again, gained = reload(llm, LOST, reused)
     assert again.num_cached_tokens == STORED_TOKENS, again
     assert gained["kvconnector_load_bytes"] == STORED_TOKENS // 32 * block_bytes(), gained
-    expect_corruption_seen(llm, LOST, reference, STORED_TOKENS)
+    expect_corruption_seen(llm, LOST, reused, STORED_TOKENS)

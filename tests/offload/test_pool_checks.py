@@ -3,12 +3,15 @@ sums and which by xxh3 (the xxh3 checks themselves: test_checked_loads.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvconnector.offload.jobs import JobReport, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
 from transfer.checksums import block_checksum
+from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.engine import CopyResult
+from transfer.slot_checker import SlotChecker
 
 
 def test_row_sums_only_where_the_engine_takes_and_stages_them() -> None:
@@ -38,9 +41,9 @@ def test_row_sums_only_where_the_engine_takes_and_stages_them() -> None:
         checks.close()
 
 
-def test_hashed_stores_reported_with_their_checksums_then_row_sums() -> None:
-    """A copied store is reported done with its blocks' xxh3s (of this rank's part of each
-    slot, bound to its key) followed by the copy's row sums; a failed copy is not hashed."""
+def test_hashed_stores_reported_with_their_checksums() -> None:
+    """A copied store that took no row sums (a CPU worker's) is reported done with its blocks'
+    xxh3s (of this rank's part of each slot, bound to its key); a failed copy is not hashed."""
     rows = torch.arange(4 * 64, dtype=torch.int64).to(torch.uint8).view(4, 64)
     checks = PoolChecks(1, torch.device("cpu"))
     try:
@@ -48,17 +51,66 @@ def test_hashed_stores_reported_with_their_checksums_then_row_sums() -> None:
         bad = TransferJob(8, "r", (0,), (1,), checked=(b"k1",))
         for job in (good, bad):
             checks.store_submitted(job)
-        assert checks.store_copied(CopyResult(7, True, 128, 0.1, True, sums=(5, 6)), rows)
-        assert not checks.store_copied(CopyResult(8, False, 0, 0.0, True), rows)
+        early = JobReport()
+        assert checks.store_copied(CopyResult(7, True, 128, 0.1, True), rows, early)
+        assert not checks.store_copied(CopyResult(8, False, 0, 0.0, True), rows, early)
+        assert early.sums == {}  # nothing reported before it is hashed
         checks.wait()
         report = JobReport()
         assert checks.report_hashed(report) == [7]
         assert report.sums == {7: {1: [block_checksum(rows[2].numpy(), b"k2"),
-                                       block_checksum(rows[3].numpy(), b"k3"), 5, 6]}}
-        assert (report.done, report.failed) == ({7: 1}, {})
+                                       block_checksum(rows[3].numpy(), b"k3")]}}
+        assert (report.done, report.failed, report.hashed) == ({7: 1}, {}, {})
         assert checks.report_hashed(JobReport()) == []  # reported once
     finally:
         checks.close()
+
+
+def test_row_summed_stores_commit_at_once_and_hash_after() -> None:
+    """A store whose copy took row sums is reported at once with them alone (its xxh3s nil:
+    the commit waits for no hash); its xxh3s come later, in `hashed`, taken only of slots whose
+    row sums still match: a slot written after the copy gets None (never an xxh3 of bytes
+    other than those committed)."""
+    rows = torch.randint(0, 256, (4, 64), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(3))
+    sums = tuple(to_unsigned(row_sums(rows[[2, 3]])))
+    checks = PoolChecks(1, torch.device("cpu"))
+    try:
+        checks.store_submitted(TransferJob(7, "r", (0, 1), (2, 3), checked=(b"k2", b"k3")))
+        report = JobReport()
+        rows[3, 10] ^= 0x01  # the second slot changed after the copy took its row sum
+        assert not checks.store_copied(CopyResult(7, True, 128, 0.1, True, sums=sums), rows,
+                                       report)  # reported now: the worker marks it done
+        assert report.sums == {7: {1: [None, None, *sums]}}
+        checks.wait()
+        later = JobReport()
+        assert checks.report_hashed(later) == []  # no store waited for it
+        assert later.hashed == {7: {1: [block_checksum(rows[2].numpy(), b"k2"), None]}}
+        assert not later.is_empty() and (later.done, later.sums) == ({}, {})
+        again = JobReport()
+        checks.report_hashed(again)
+        assert again.hashed == {} and checks.hashing_later == 0  # reported once
+    finally:
+        checks.close()
+
+
+def test_hash_checked_never_hashes_a_changed_slot() -> None:
+    """SlotChecker.hash_checked over several threads' parts: each slot's xxh3 where its row
+    sum is the one given, None elsewhere, in order; mismatched counts are refused."""
+    rows = torch.randint(0, 256, (9, 128), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(5))
+    slots, keys = [8, 0, 4, 2, 6], [b"a", b"b", b"c", b"d", b"e"]
+    sums = to_unsigned(row_sums(rows[slots]))
+    sums[3] ^= 1 << 63  # as if slot 2 had changed since its commit
+    checker = SlotChecker(threads=2)
+    try:
+        got = checker.hash_checked(rows, slots, keys, sums).result()
+        assert got == [block_checksum(rows[s].numpy(), k) if i != 3 else None
+                       for i, (s, k) in enumerate(zip(slots, keys, strict=True))]
+        with pytest.raises(ValueError, match="4 row sums for 5 keys"):
+            checker.hash_checked(rows, slots, keys, sums[:4])
+    finally:
+        checker.close()
 
 
 def test_failed_tail_from_the_first_block_the_engine_found_bad() -> None:

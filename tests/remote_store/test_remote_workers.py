@@ -1,14 +1,15 @@
 """A store of several worker processes (`store serve --workers N`), as real processes: every byte
 through every worker, each key on its own worker, combined lookups, exists, deletes and stats,
 misrouted keys refused, security on every worker, a flood at one worker (its own admission
-limits), workers gone with their parent, and a client finding a restarted store's new
-workers."""
+limits), workers gone with their parent, a client finding a restarted store's new workers (an
+idle lookup client too), and a call to workers that are gone failing at one timeout in all."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,8 @@ from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
 from transfer.remote.store.admission import buffer_budget
 from transfer.remote.store.client import StoreClient, StoreError
+from transfer.remote.store.connection import Exchange
+from transfer.remote.store.lanes import Lanes
 from transfer.remote.store.protocol import (
     PROTOCOL_VERSION,
     Limits,
@@ -253,6 +256,65 @@ def test_a_client_finds_a_restarted_stores_workers(tmp_path: Path,
         assert torch.equal(target, source)
     finally:
         proc.stop()
+
+
+def test_an_idle_lookup_client_finds_a_restarted_stores_workers(tmp_path: Path,
+                                                               source: torch.Tensor) -> None:
+    """A scheduler's lookup client, idle while its store is killed and restarted on the same
+    address: its next lookup asks the store for its workers again (they listen on new ports) and
+    is answered. With the old ports kept, it waited out its timeout at each dead worker in turn,
+    then failed, and a shutdown joining its thread waited as long."""
+    proc = StoreProcess(tmp_path / "store.log", capacity="32MiB",
+                        extra_args=("--workers", str(WORKERS)))
+    proc.start()
+    try:
+        with StoreClient(proc.url, NONE, pool=source, **OPTIONS) as writer:
+            assert writer.put(KEYS, range(COUNT)).all_ok
+        with StoreClient(proc.url, NONE, namespace=NS, timeout_s=10.0) as lookups:
+            assert lookups.lookup(KEYS) == COUNT and lookups.connections == 1
+            old_ports = _ports(proc.url)
+            workers = [pid for pid in _children(proc.process.pid) if _is_worker(pid)]
+            assert len(workers) == WORKERS - 1
+            proc.kill()
+            deadline = time.monotonic() + 60
+            while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in workers):
+                assert time.monotonic() < deadline, f"workers {workers} outlived their parent"
+                time.sleep(0.1)
+            proc.start()  # empty, the same first port, the other workers elsewhere
+            new_ports = _ports(proc.url)
+            assert new_ports[0] == old_ports[0] and len(new_ports) == WORKERS
+            assert lookups.lookup(KEYS) == 0  # answered by the new workers: none held
+            assert lookups.exists(KEYS[:4]) == [False] * 4
+    finally:
+        proc.stop()
+
+
+def test_a_call_to_workers_that_are_gone_fails_at_one_timeout(tmp_path: Path) -> None:
+    """Requests to several workers nobody listens for any more (one lane, so sent in turn)
+    all fail by the call's timeout: a request that waits for a connection does not start a
+    timeout of its own after the previous one's ran out."""
+    ports = []
+    for _ in range(4):  # free ports, closed again: connections to them are refused
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    timeout_s = 2.0
+    lanes = Lanes([f"tcp://127.0.0.1:{port}" for port in ports], NONE, count=1,
+                  max_frame_bytes=1 << 20, max_in_flight=8)
+    requests = [Exchange(shard + 1, encode_request(shard + 1, Op.PING), shard=shard)
+                for shard in range(len(ports))]
+    answered = []
+    started = time.monotonic()
+    try:
+        lanes.exchange(requests, lambda _, request, __: answered.append(request), timeout_s)
+    finally:
+        lanes.close()
+    waited = time.monotonic() - started
+    assert not answered
+    assert all("no connection to the store" in request.error for request in requests), \
+        [request.error for request in requests]
+    # one timeout, not one per worker (4 x 2 s before)
+    assert timeout_s * 0.9 <= waited < 2 * timeout_s, waited
 
 
 def test_every_worker_checks_the_secret(tmp_path: Path, source: torch.Tensor) -> None:

@@ -178,3 +178,21 @@ def test_a_bad_block_is_a_miss_and_leaves_the_tier(rig: Rig) -> None:
     assert core.index.present(KEYS_A[:4]) == [True, False, True, True]
     assert core.take_counters().prefetched_blocks == 3
     assert rig.tier.present([KEYS_A[1]]) == [False]
+
+
+def test_a_lookup_offers_no_block_another_requests_load_is_fetching(rig: Rig) -> None:
+    """Blocks on their way into the pool (another request's fetch holds their slots) are not
+    offered: a fetch of them could reserve no slot, and the load would fail."""
+    core = rig.core
+    assert core.lookup("y", A[:2], 0, 2 * BS + 1) == 2 * BS
+    assert core.plan_load("y", A[:2], [10, 11, 12], 2 * BS) == {"memory": 2}
+    step = core.build_step()  # y's load fetches a's first 2 blocks into the pool
+    assert core.lookup("x", A, 0, 6 * BS + 1) == 0  # (the tier holds all 6)
+    core.plan_load("x", A, list(range(20, 27)), 0)
+    rig.report(step)  # fetched and loaded: pool hits from now on
+    hits = core.lookup("x2", A, 0, 6 * BS + 1)
+    assert hits == 4 * BS  # the 2 fetched, and 2 more from the tier into the 2 other slots
+    assert core.plan_load("x2", A, list(range(30, 37)), hits) == {"pool": 2, "memory": 2}
+    rig.report(core.build_step())
+    counters = core.take_counters()
+    assert counters.failed_loads == 0 and counters.hit_tokens == 6 * BS

@@ -7,8 +7,9 @@ Prompt A's blocks are evicted to disk. A long "blocker" request (its own stores 
 new request for A waits in vLLM's queue: its 4 disk blocks move into the pool meanwhile, and
 when it is scheduled they are pool hits, loaded bit-exact. Then: an aborted request's unsent
 prefetch is cancelled and a sent one completes, leaking nothing; many requests over a pool too
-small for them, with preemptions, keep every token right; with several KV cache groups
-prefetch stays off; TP 2 ranks each fetch their own part.
+small for them, with preemptions, keep every token right, at TP 1 and TP 2 (each rank reading
+its own part); with several KV cache groups prefetch stays off; TP 2 ranks each fetch their own
+part.
 """
 
 from __future__ import annotations
@@ -140,11 +141,42 @@ def test_many_requests_over_a_small_pool_with_preemptions_keep_every_token(
     assert engine.preemptions > 0
     assert stats["hit_tokens"] > 0 and stats["evictions"] > 0
     assert stats["prefetched_blocks"] > 0  # queued requests' blocks came ahead
-    # (a load may fail here on a busy machine, with prefetch off too: vLLM recomputes it, and
-    # run_to_completion has checked every token)
-    failures = {name: stats[name] for name in ("failed_stores", "disk_failed_reads",
-                                               "disk_failed_writes")}
+    # a lookup never offers a block another request's load is fetching (or a store is
+    # writing) into the pool: that load could not reserve its slot, and would fail
+    failures = {name: stats[name] for name in ("failed_loads", "failed_stores",
+                                               "disk_failed_reads", "disk_failed_writes")}
     assert not any(failures.values()), failures
+
+
+def test_preemptions_at_tp2_keep_every_token_and_each_rank_reads_its_part(
+        model_dir: str, tmp_path: Path) -> None:
+    """Requests over a small pool with preemptions, two TP ranks (AsyncScheduler): queued
+    requests' disk blocks come ahead, every token is right, and every block fetched from disk,
+    ahead or by a load, was read once by each rank, its own part."""
+    tp = 2
+    engine = disk_engine(model_dir, tmp_path / "disk", tp=tp, async_scheduling=True,
+                         cpu_slots=6, prefetch_blocks=3, num_gpu_blocks=16, max_num_seqs=6)
+    rng = random.Random(12)
+    families = [make_prompt(70 + i, 4 * BS) for i in range(3)]
+    requests = {}
+    for i in range(9):
+        prompt = families[i % 3][:rng.randrange(BS + 1, 4 * BS)] + \
+            make_prompt(90 + i, rng.randrange(30))
+        requests[f"r{i}"] = (prompt, rng.randrange(4, 30))
+    run_to_completion(engine, requests)
+    assert engine.scheduler.reset_prefix_cache()
+    poison_gpu(engine)
+    before = dict(total_stats(engine).data)
+    preempted = engine.preemptions
+    run_to_completion(engine, {f"again-{k}": v for k, v in requests.items()})
+    stats = total_stats(engine).data
+    gained = {k: stats[k] - before.get(k, 0) for k in stats}
+    assert engine.preemptions > preempted  # the second pass preempted too
+    assert gained["prefetched_blocks"] > 0 and gained["hit_tokens"] > 0
+    assert gained["failed_loads"] == 0 and gained["failed_stores"] == 0, gained
+    assert gained.get("disk_failed_reads", 0) == 0, gained
+    read_blocks = gained["prefetched_blocks"] + gained["disk_hit_tokens"] // BS
+    assert gained["disk_read_bytes"] == read_blocks * tp * h.block_bytes(tp), gained
 
 
 def test_with_several_kv_cache_groups_prefetch_stays_off(model_dir: str,

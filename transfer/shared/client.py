@@ -6,6 +6,10 @@ BlockIndex: the same verbs, answered by the daemon; when the daemon is gone it a
 stored, no room" (requests are recomputed, stores skipped) and reconnects to a restarted daemon,
 at most once per `retry_s`. A dead daemon is seen at once (the socket closes); `timeout_s` only
 bounds a hung one, generously: a busy host must not turn a slow answer into a lost lease.
+
+A block committed with row sums only (its xxh3s attached later, `add_sums`) is a hit to a
+`row_sum_reader` index (its workers check loads by row sums) and a miss to any other until
+its xxh3s are attached: the daemon answers each lease as it declared.
 """
 
 from __future__ import annotations
@@ -93,13 +97,17 @@ class SharedIndex:
 
     `segment` names the shared memory the slots live in and `epoch` counts connections: a job
     planned under an older epoch belongs to a lease that is gone, and its completion must not
-    reach the index (OffloadScheduler checks).
+    reach the index (OffloadScheduler checks). `row_sum_reader`: every worker checks loads by
+    row sums (GPU workers whose copy engine sums rows), so blocks not yet hashed are hits.
     """
 
     def __init__(self, name: str, namespace: Namespace, entry_bytes: int, *,
                  timeout_s: float = 30.0, retry_s: float = 1.0,
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None, row_sum_reader: bool = False) -> None:
         self.name = name
+        self.row_sum_reader = row_sum_reader
+        # the checksums of the keys the last prepare_stores evicted (a tier below keeps them)
+        self.evicted_sums: dict[bytes, list[int | None] | None] = {}
         self.namespace = namespace
         self.entry_bytes = entry_bytes
         self.timeout_s = timeout_s
@@ -136,6 +144,8 @@ class SharedIndex:
             return None
         self._client = client
         self.epoch += 1
+        if self.row_sum_reader:
+            self._notice(p.ROW_SUM_READER)
         self.segment, self.num_slots, self.slot_bytes = (client.info.segment,
                                                          client.info.num_slots,
                                                          client.info.slot_bytes)
@@ -192,16 +202,20 @@ class SharedIndex:
         """`prepare_store` of each list, in one round trip; with no daemon nothing is placed."""
         lists = [list(keys) for keys in key_lists]
         answer = self._call(p.PREPARE_STORES, lists, default=None) if any(lists) else None
+        self.evicted_sums = {}
         if answer is None:
             return [StorePlan([], [], keys, [], []) for keys in lists]
-        plans = [StorePlan(*fields) for fields in answer]
+        plans = [StorePlan(*fields[:5]) for fields in answer]
+        for fields in answer:
+            self.evicted_sums.update(zip(fields[3], fields[5], strict=True))
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
         return plans
 
     def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool],
-                       sums: Sequence[Sequence[int] | None] | None = None) -> None:
+                       sums: Sequence[Sequence[int | None] | None] | None = None) -> None:
         """Commit the stores; every ok key needs its block's per-rank checksums in `sums`
-        (transfer/slot_checker.py): the daemon drops a client that commits one without."""
+        (transfer/slot_checker.py; its xxh3s nil where committed with row sums only): the
+        daemon drops a client that commits one without."""
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
         self._stats.stores += sum(flags)
         self._stats.failed_stores += len(flags) - sum(flags)
@@ -209,6 +223,17 @@ class SharedIndex:
             sums = [None] * len(keys) if sums is None else [None if s is None else list(s)
                                                             for s in sums]
             self._notice(p.COMPLETE_STORE, list(keys), flags, sums)
+
+    def add_sums(self, keys: Sequence[bytes], sums: Sequence[Sequence[int | None]],
+                 slots: Sequence[int]) -> list[bool]:
+        """Attach the xxh3s of blocks this client committed with row sums only (each key's
+        list: its xxh3s, then the row sums it was committed with; nil xxh3s drop a block whose
+        slot changed since its commit; `slots`: where each was committed); per key whether it
+        was applied (all False without a daemon)."""
+        if not keys:
+            return []
+        return self._call(p.ADD_SUMS, list(keys), [list(s) for s in sums], list(slots),
+                          default=[False] * len(keys))
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan | None:
         """Slots of the keys, pinned, with their per-rank checksums; None when one of them is
@@ -231,9 +256,9 @@ class SharedIndex:
         """Drop this namespace's keys from the pool (other models' stay)."""
         self._notice(p.CLEAR)
 
-    def checksums(self, keys: Sequence[bytes]) -> list[list[int] | None]:
-        """The per-rank xxh3-64s each block was committed with (None: not stored, or no
-        daemon)."""
+    def checksums(self, keys: Sequence[bytes]) -> list[list[int | None] | None]:
+        """The per-rank checksums each block was committed with (None: not stored, or no
+        daemon; its xxh3s nil until attached)."""
         return self._call(p.CHECKSUMS, list(keys), default=[None] * len(keys))
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:

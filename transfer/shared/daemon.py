@@ -451,14 +451,17 @@ class PoolDaemon:
         if verb == p.LOOKUP:
             return index.lookup(client.id, args[0])
         if verb == p.PREPARE_STORES:
-            return [[plan.keys, plan.slots, plan.not_placed, plan.evicted, plan.evicted_slots]
-                    for plan in index.prepare_stores(client.id, args[0])]
+            plans = index.prepare_stores(client.id, args[0])
+            return [[plan.keys, plan.slots, plan.not_placed, plan.evicted, plan.evicted_slots,
+                     [index.evicted_sums.get(key) for key in plan.evicted]] for plan in plans]
         if verb == p.PREPARE_LOAD:
             return index.prepare_load(client.id, args[0])
         if verb == p.CHECKSUMS:
             return index.checksums(client.id, args[0])
         if verb == p.CHANGES:
             return index.changes(client.id, args[0])
+        if verb == p.ADD_SUMS:
+            return index.add_sums(client.id, args[0], args[1], args[2])
         return self.stats()
 
     def _notice(self, client: int, verb: str, args: tuple[Any, ...]) -> None:
@@ -468,6 +471,8 @@ class PoolDaemon:
             self.index.complete_load(client, args[0])
         elif verb == p.DISCARD:
             self.index.discard(client, args[0])
+        elif verb == p.ROW_SUM_READER:
+            self.index.read_row_sums(client)
         else:
             self.index.clear(client)
 
@@ -489,6 +494,7 @@ class PoolDaemon:
                 "refused": self.refused, "refused_busy": self.refused_busy,
                 "dropped": self.dropped, "accept_errors": self.accept_errors,
                 "pending_bytes": self._pending_bytes, "unsent_bytes": self._unsent_bytes,
+                "unhashed": self.index.unhashed,
                 "pinned": sum(sum(lease.pins.values()) for lease in leases.values()),
                 "storing": sum(len(lease.storing) for lease in leases.values()),
                 "leases": held,

@@ -13,6 +13,17 @@ by its key (transfer/slot_checker.py), then, from GPU ranks, each rank's row sum
 slots a load pins, so every reader checks its part before the load is reported. The
 daemon never hashes (its loop would cap commits near one core's hash rate).
 
+A GPU writer commits as soon as its copy is done, with its row sums only (the xxh3s nil: the
+GPU took the row sums on the way, host hashing would hold the commit), and attaches the xxh3s
+later (`add_sums`), hashed from the slot once its row sums matched the commit again. Until then
+the block is readable only to a lease that checks by row sums (`row_sum_reader`): to any other
+it is a miss (`lookup`), and a load of it pins nothing (`prepare_load`); it is in the change log
+(`changes`) only once its xxh3s are attached. The index keeps, per block not yet hashed, the
+lease that committed it and its slot: `add_sums` attaches (or, nil, drops) only where the key is
+still not hashed, was committed by the same lease, in the slot named, with the same row sums (a
+block evicted and stored again since, by another lease or in another slot, keeps its own; a
+block is never given an xxh3 over one it has).
+
 Any client may be hostile or buggy: every verb checks all it is given before it changes
 anything (a bad key, a key named twice in a commit, a checksum that is not a uint64: nothing
 changes, ValueError naming the value by a short prefix), a connection holds one lease (a second
@@ -33,8 +44,10 @@ MAX_NAMESPACES = 64  # per lease: an engine declares one (a test harness a few)
 MAX_BLOCK_SUMS = 128  # per block: an xxh3-64 and a row sum for each of up to 64 ranks
 MAX_PINS = 1 << 20  # per lease (a load pins each of its keys once): far above any engine's
 MAX_ANSWER_SUMS = 1 << 22  # checksums in one answer (~36 MiB packed, under MAX_MESSAGE_BYTES)
+MAX_EVICTED_SUMS = 1 << 20  # victims' checksums in one prepare_stores answer (the rest: None)
 MAX_LOG = 1 << 16  # commits and removals kept for `changes` (a reader further behind: the list)
 MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
+Sums = list[int | None]  # a block's checksums: its xxh3s (nil until hashed), then its row sums
 
 
 class ChangeLog:
@@ -76,6 +89,7 @@ class Lease:
     entry_bytes: int
     storing: set[bytes] = field(default_factory=set)
     pins: Counter[bytes] = field(default_factory=Counter)
+    row_sum_reader: bool = False  # checks loads by row sums: loads blocks not yet hashed
 
     def held(self) -> dict[str, int]:
         """What it holds now (the daemon's stats, per client)."""
@@ -89,9 +103,19 @@ class SharedBlockIndex:
     def __init__(self, num_slots: int, slot_bytes: int, policy: str) -> None:
         self.index = BlockIndex(None, num_slots, policy)
         self.slot_bytes = slot_bytes
-        self._sums: dict[bytes, list[int]] = {}  # stored keys -> per-rank checksums at commit
+        self._sums: dict[bytes, Sums] = {}  # stored keys -> per-rank checksums at commit
+        # stored keys committed with row sums only -> (the committing client, their slot)
+        self._unhashed: dict[bytes, tuple[int, int]] = {}
+        # the last request's victims of the requester's namespaces, hashed: their checksums
+        self.evicted_sums: dict[bytes, Sums] = {}
+        self._evicted_count = 0  # checksums in evicted_sums (bounded: MAX_EVICTED_SUMS)
         self.leases: dict[int, Lease] = {}  # client id -> its lease
         self.log = ChangeLog()  # readable blocks committed and removed, for `changes`
+
+    @property
+    def unhashed(self) -> int:
+        """Blocks stored with row sums only (their xxh3s not attached yet)."""
+        return len(self._unhashed)
 
     def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
         """A new client whose blocks, of the given namespaces, use `entry_bytes` of a slot. One
@@ -130,7 +154,25 @@ class SharedBlockIndex:
     # ---- requests ------------------------------------------------------------------------
 
     def lookup(self, client: int, keys: Sequence[bytes]) -> int:
-        return self.index.lookup_prefix(self._own(client, keys))
+        """The stored prefix of `keys` this client can check: to a lease that does not read row
+        sums, a block not yet hashed ends it."""
+        keys = self._own(client, keys)
+        found = self.index.lookup_prefix(keys)
+        if not self._unhashed or found == 0:
+            return found
+        first = next((i for i, key in enumerate(keys[:found]) if key in self._unhashed), found)
+        if first == found or not self.leases[client].row_sum_reader:
+            return first
+        # A row-sum reader checks a load by xxh3 when one of its blocks lacks row sums (a
+        # commit by xxh3 only): a block not yet hashed would fail that check, so it ends there.
+        ranks = len(self._sums[keys[first]]) // 2
+        if any(len(self._sums.get(key, ())) < 2 * ranks for key in keys[:found]):
+            return first
+        return found
+
+    def read_row_sums(self, client: int) -> None:
+        """The client checks its loads by row sums: blocks not yet hashed are its hits too."""
+        self.leases[client].row_sum_reader = True
 
     def prepare_stores(self, client: int, key_lists: Sequence[Sequence[bytes]]
                        ) -> list[StorePlan]:
@@ -138,27 +180,40 @@ class SharedBlockIndex:
         if not isinstance(key_lists, list | tuple):
             raise ValueError(f"expected a list of key lists, got {brief(key_lists)}")
         checked = [self._own(client, keys, unique=True) for keys in key_lists]
+        self.evicted_sums, self._evicted_count = {}, 0
         return [self._place(client, keys) for keys in checked]
 
     def prepare_store(self, client: int, keys: Sequence[bytes]) -> StorePlan:
-        return self._place(client, self._own(client, keys, unique=True))
+        keys = self._own(client, keys, unique=True)
+        self.evicted_sums, self._evicted_count = {}, 0
+        return self._place(client, keys)
 
     def _place(self, client: int, keys: list[bytes]) -> StorePlan:
         plan = self.index.prepare_store(keys)
-        for key in plan.evicted:
-            self._sums.pop(key, None)
-        self.log.add(False, plan.evicted)
+        namespaces = self.leases[client].namespaces
+        published = [key for key in plan.evicted if key not in self._unhashed]
+        for key in plan.evicted:  # the requester's: what its tier below needs to check them
+            sums = self._drop_sums(key)
+            if key[:DIGEST_BYTES] not in namespaces or not sums or sums[0] is None \
+                    or self._evicted_count + len(sums) > MAX_EVICTED_SUMS:
+                continue  # another's, not hashed (never written below) or past the bound
+            self.evicted_sums[key] = sums
+            self._evicted_count += len(sums)
+        self.log.add(False, published)
         self.leases[client].storing.update(plan.keys)
         return plan
 
     def prepare_load(self, client: int, keys: Sequence[bytes]) -> tuple[list[int],
-                                                                        list[list[int]]] | None:
+                                                                        list[Sums]] | None:
         """Pin every key and return their slots and checksums, or pin nothing and return None
-        when one is not stored (evicted or removed since the client's lookup: its load fails)."""
+        when one is not stored (evicted or removed since the client's lookup: its load fails)
+        or, to a lease that does not read row sums, not yet hashed."""
         keys = self._own(client, keys)  # a key named twice: None (BlockIndex refuses it)
         lease = self.leases[client]
         if sum(lease.pins.values()) + len(keys) > MAX_PINS:
             raise ValueError(f"a client holds at most {MAX_PINS} pins: complete its loads first")
+        if not lease.row_sum_reader and not self._unhashed.keys().isdisjoint(keys):
+            return None
         try:
             plan = self.index.prepare_load(keys)  # checks every key before it pins any
         except ValueError:
@@ -166,7 +221,7 @@ class SharedBlockIndex:
         lease.pins.update(keys)
         return plan.slots, [self._sums[key] for key in keys]
 
-    def checksums(self, client: int, keys: Sequence[bytes]) -> list[list[int] | None]:
+    def checksums(self, client: int, keys: Sequence[bytes]) -> list[Sums | None]:
         answer = [self._sums.get(key) for key in self._own(client, keys)]
         if sum(len(sums) for sums in answer if sums) > MAX_ANSWER_SUMS:
             raise ValueError(f"an answer of over {MAX_ANSWER_SUMS} checksums: ask for fewer "
@@ -190,7 +245,7 @@ class SharedBlockIndex:
             if not isinstance(ok, bool):
                 raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
             if ok:
-                _check_sums(key, block_sums)
+                _check_sums(key, block_sums, unhashed=True)
         held = [(key, ok, block_sums) for key, ok, block_sums in zip(keys, flags, sums,
                                                                      strict=True)
                 if key in lease.storing]
@@ -200,8 +255,54 @@ class SharedBlockIndex:
             lease.storing.discard(key)
             if ok and self.index.contains(key):  # not if removed while it was being stored
                 self._sums[key] = list(block_sums)
-                committed.append(key)
+                if block_sums[0] is None:  # readable to xxh3 readers (logged) once hashed
+                    self._unhashed[key] = (client, self.index.slot_of(key))
+                else:
+                    committed.append(key)
         self.log.add(True, committed)
+
+    def add_sums(self, client: int, keys: Sequence[bytes], sums: Sequence[Sums],
+                 slots: Sequence[int]) -> list[bool]:
+        """The xxh3s of blocks committed with row sums only, hashed later by their writer: each
+        key's full list (its xxh3s, then the row sums the writer checked the slot against), or
+        its xxh3s nil where the slot no longer matched them (the block is dropped: its bytes are
+        not what was committed), and the slot it was committed in. Per key, whether it was
+        applied: only where the key is still not hashed, was committed by this client, in that
+        slot, with those row sums; else (gone, hashed already: never overwritten; evicted and
+        committed again since, by another client or in another slot) nothing changes for it.
+        The whole request is checked first (a foreign key, a key named twice, a value that is
+        not a uint64, lists of another length than the commit's, a slot that is not an int:
+        ValueError, nothing changes)."""
+        keys = self._own(client, keys, unique=True)
+        if not isinstance(sums, list | tuple) or not isinstance(slots, list | tuple) \
+                or not len(sums) == len(slots) == len(keys):
+            raise ValueError(f"add_sums needs one checksum list and one slot per key: "
+                             f"{len(keys)} keys, checksums {brief(sums)}, slots {brief(slots)}")
+        for slot in slots:
+            if isinstance(slot, bool) or not isinstance(slot, int):
+                raise ValueError(f"add_sums needs slots as ints, got {brief(slot)}")
+        for key, block_sums in zip(keys, sums, strict=True):
+            _check_sums(key, block_sums, unhashed=True)
+            if len(block_sums) % 2 or block_sums[-1] is None:
+                raise ValueError(f"key {brief(key)}: add_sums needs its xxh3s (or nils) and the "
+                                 f"row sums it was committed with, got {brief(block_sums)}")
+        applied, attached, dropped = [], [], []
+        for key, block_sums, slot in zip(keys, sums, slots, strict=True):
+            held = self._sums.get(key)
+            match = self._unhashed.get(key) == (client, slot) and held is not None and \
+                len(held) == len(block_sums) and \
+                held[len(held) // 2:] == list(block_sums[len(block_sums) // 2:])
+            applied.append(match)
+            if match and block_sums[0] is None:
+                dropped.append(key)
+            elif match:
+                self._sums[key] = list(block_sums)
+                del self._unhashed[key]
+                attached.append(key)
+        self.log.add(True, attached)  # readable to every reader from now on
+        if dropped:
+            self.discard(client, dropped)
+        return applied
 
     def complete_load(self, client: int, keys: Sequence[bytes]) -> None:
         lease = self.leases[client]
@@ -214,10 +315,16 @@ class SharedBlockIndex:
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
         keys = self._own(client, keys)
-        self.log.add(False, [key for key in keys if self.index.contains(key)])
+        self.log.add(False, [key for key in keys  # a block not yet hashed was never logged
+                             if self.index.contains(key) and key not in self._unhashed])
         self.index.discard(keys)
         for key in keys:
-            self._sums.pop(key, None)
+            self._drop_sums(key)
+
+    def _drop_sums(self, key: bytes) -> Sums | None:
+        """Forget a key's checksums (it left the index); returns them."""
+        self._unhashed.pop(key, None)
+        return self._sums.pop(key, None)
 
     def clear(self, client: int) -> None:
         """Drop every key of the client's namespaces (another model's keys stay)."""
@@ -226,8 +333,9 @@ class SharedBlockIndex:
         self.discard(client, mine)
 
     def changes(self, client: int, since: int) -> list[object]:
-        """[next number, whole, [[stored, key], ...]]: the commits and removals of the client's
-        namespaces' readable blocks from number `since` on; or, for `since` -1 or one the log
+        """[next number, whole, [[stored, key], ...]]: the commits (of a block committed by row
+        sums: when its xxh3s were attached) and removals of the client's namespaces' readable
+        blocks from number `since` on; or, for `since` -1 or one the log
         no longer holds, every readable block of them now (`whole` True: the reader replaces
         what it knew)."""
         if isinstance(since, bool) or not isinstance(since, int) or since < -1 \
@@ -239,7 +347,8 @@ class SharedBlockIndex:
         if found is not None:
             return [found[0], False, found[1]]
         held = [[True, key] for key in self.index.held_keys()
-                if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)]
+                if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)
+                and key not in self._unhashed]
         return [self.log.next_seq, True, held]
 
     def _own(self, client: int, keys: Sequence[bytes], unique: bool = False) -> list[bytes]:
@@ -260,10 +369,18 @@ class SharedBlockIndex:
         return list(keys)
 
 
-def _check_sums(key: bytes, sums: object) -> None:
+def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
+    """ValueError unless `sums` is a block's checksum list: 1 to MAX_BLOCK_SUMS uint64s; with
+    `unhashed`, also its xxh3s nil and then as many row sums (a commit by row sums only)."""
     why = f"key {brief(key)} committed without its per-rank xxh3-64 checksums"
     if not isinstance(sums, list | tuple) or not 0 < len(sums) <= MAX_BLOCK_SUMS:
         raise ValueError(f"{why} (1 to {MAX_BLOCK_SUMS} uint64s): got {brief(sums)}")
-    for value in sums:
+    nils = 0
+    if unhashed and sums[0] is None:  # row sums only: [nil per rank..., row sum per rank...]
+        nils = len(sums) // 2
+        if len(sums) % 2 or any(value is not None for value in sums[:nils]):
+            raise ValueError(f"{why}: a commit by row sums has a nil per rank, then a row sum "
+                             f"per rank, got {brief(sums)}")
+    for value in sums[nils:]:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
             raise ValueError(f"{why}: {brief(value)} is not a uint64")

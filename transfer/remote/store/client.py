@@ -12,7 +12,8 @@ lost connection, corrupt or short frame).
 
 A client runs several lanes (`connections`, transfer.remote.store.lanes: one TCP stream moves
 what one core copies), each a thread with a connection to each of the store's workers
-(transfer.remote.store.workers, asked for at the first call and again after a failure), and
+(transfer.remote.store.workers, asked for at the first call and again after a failure or a
+lost connection: a restarted store's workers listen on other ports), and
 deals each put's and get's requests over the lanes by their blocks; each key goes to its own
 worker (transfer.remote.store.shards); statuses come back in the order of the keys whatever the
 lane; lookups, exists, deletes and stats combine the workers' answers.
@@ -293,6 +294,10 @@ class StoreClient(RemoteBackend):
     def _route(self, timeout_s: float | None) -> int:
         """How many workers the store has, asking it (its ping) unless known; lanes to each.
         StoreError when the store does not answer."""
+        if self._routed and self._lanes.lost():
+            # a worker went away: a store restarted on the same address has its workers on
+            # other ports, where every request would wait out its deadline
+            self._routed = False
         if self._routed:
             return len(self._lanes.urls)
         # id 0, never a put's or get's: after a failure the connection is a fresh one, so no

@@ -111,9 +111,16 @@ class Connection:
         if self._sock is not None:
             self._disconnect()
 
-    def send(self, request: Exchange) -> None:
-        """Send a request, its frames zero-copy; waits (StoreError at its deadline) only while
-        there is no live connection yet."""
+    @property
+    def lost(self) -> bool:
+        """The store dropped this connection and it is not back (as of the last monitor read):
+        the worker may be gone, or listen elsewhere after a restart."""
+        return self._lost
+
+    def send(self, request: Exchange, connect_by: float | None = None) -> None:
+        """Send a request, its frames zero-copy; waits only while there is no live connection
+        yet, StoreError at its deadline or at `connect_by` if sooner (a call's requests to
+        several dead workers wait one deadline in all, not one each in turn)."""
         if callable(request.header):
             request.header = request.header()
         flags = _SNDMORE if request.frames else 0
@@ -122,7 +129,8 @@ class Connection:
                 self._sock.send(request.header, flags | _NOBLOCK)
                 break
             except zmq.Again:
-                self._wait_writable(request.deadline)
+                self._wait_writable(request.deadline if connect_by is None
+                                    else min(request.deadline, connect_by))
         # the rest of a multipart message never blocks: zmq admits messages whole
         for index, frame in enumerate(request.frames):
             more = _SNDMORE if index < len(request.frames) - 1 else 0
@@ -172,10 +180,11 @@ class Connection:
             message = recv_monitor_message(self._monitor)
             event, value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected, self._refusal = True, ""
+                self._connected, self._refusal, self._lost = True, "", False
                 continue
             if event == zmq.EVENT_DISCONNECTED:
                 lost, self._connected = self._connected, False
+                self._lost = self._lost or lost
                 if lost and raise_failures:
                     raise StoreError(f"lost the connection to the store at {self.url}")
                 continue
@@ -209,7 +218,7 @@ class Connection:
             sock.close(linger=0)
             raise
         self._sock, self._monitor = sock, monitor
-        self._connected, self._refusal = False, ""
+        self._connected, self._refusal, self._lost = False, "", False
         self._poller = zmq.Poller()
         self._poller.register(self._monitor, _POLLIN)
 

@@ -94,6 +94,7 @@ class Lane:
         reply gets `error` set (those of a failed connection only, which reconnects)."""
         queue: deque[Exchange] = deque(requests)
         pending: list[dict[int, Exchange]] = [{} for _ in self.connections]  # per connection
+        connect_by = time.monotonic() + timeout_s  # waits for a connection: one timeout in all
         for connection in self.connections:
             connection.prepare()
         poller, sockets = self._poller()
@@ -104,7 +105,7 @@ class Lane:
                     pending[request.shard][request.request_id] = request
                     request.deadline = time.monotonic() + timeout_s
                     try:
-                        self.connections[request.shard].send(request)
+                        self.connections[request.shard].send(request, connect_by=connect_by)
                     except StoreError as exc:
                         self._fail(request.shard, str(exc), pending, queue)
                         poller, sockets = self._poller()
@@ -194,6 +195,13 @@ class Lanes:
 
     def __len__(self) -> int:
         return len(self.lanes)
+
+    def lost(self) -> bool:
+        """Whether the store dropped a connection of the first lane and it is not back (every
+        lane connects to every worker, so one lane tells)."""
+        for connection in self.lanes[0].connections:
+            connection.read_monitor(raise_failures=False)
+        return any(connection.lost for connection in self.lanes[0].connections)
 
     def exchange(self, requests: Sequence[Exchange], complete: Complete,
                  timeout_s: float) -> None:
