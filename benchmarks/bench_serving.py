@@ -359,6 +359,10 @@ def parent(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
                 subprocess.run(command, env=env, check=True, cwd=tmp)
                 runs[engine].append(json.loads(out.read_text()))
+                figures = engine_figures(runs[engine][-1:])  # as it goes: a cut run keeps these
+                print(f"bench_serving: pair {pair + 1}, {engine}: median TTFT (ms) "
+                      f"{figures['ttft_median_ms']}, TPOT (ms) {figures['tpot_median_ms']}",
+                      file=sys.stderr, flush=True)
     report = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "host": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},

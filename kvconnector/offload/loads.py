@@ -51,6 +51,7 @@ class LoadPlanner:
     admission: Admission  # a request's max_load_tokens
     _not_wanted: Callable[[str], None]  # prefetch.py's
     _prefetch_wait: Callable[[Sequence[bytes]], tuple[bool, int]]
+    _prefetch_flying: Callable[[Sequence[bytes]], dict[bytes, bool]]
     _requests: dict[str, RequestState]
     _lookups: dict[str, Lookup]  # request -> its last lookup
     _jobs: dict[int, Job]
@@ -94,6 +95,8 @@ class LoadPlanner:
         hashes = list(block_hashes[start:end])
         if len(self.groups) > 1:
             hits = self._group_hits(start, hashes)
+            if hits is None:  # a block it needs is being fetched ahead (prefetch.py)
+                return None
             self._lookups[req_id] = Lookup(start, len(hashes), hits, [])
             return hits * self.block_size
         keys = self._keys(self.groups[0], hashes)
@@ -159,12 +162,14 @@ class LoadPlanner:
                     found[j] = i
         return found
 
-    def _group_hits(self, start: int, hashes: Sequence[bytes]) -> int:
+    def _group_hits(self, start: int, hashes: Sequence[bytes]) -> int | None:
         """Several groups: the longest prefix of `hashes` (blocks from `start`) whose blocks
         every group needs are in the pool or a tier below, those below no more than the pool
-        has slots to fetch them into now."""
+        has slots to fetch them into now, and none being fetched ahead; None while one it needs
+        is being fetched ahead before that prefetch's deadline (ask again later)."""
         keys = [self._keys(group, hashes) for group in self.groups]
         flat = [key for group_keys in keys for key in group_keys]
+        flying = self._prefetch_flying(flat)  # a fetch could not reserve their slots
         pooled = self.index.present(flat)
         below = iter(self._below([k for k, ok in zip(flat, pooled, strict=True) if not ok]))
         # per key: held in a tier below (a fetch); None where the pool holds it
@@ -184,6 +189,13 @@ class LoadPlanner:
             if any(counts[p - 1] < len(positions)
                    for positions, counts in zip(needed, runs, strict=True)):
                 continue
+            if flying:
+                late = [flying[key] for r, group_keys in zip(needed, keys, strict=True)
+                        for key in group_keys[r.start - start:r.stop - start] if key in flying]
+                if any(late):
+                    return None
+                if late:  # past their deadline: a shorter prefix, without them
+                    continue
             from_below = sum(sums[r.stop - start] - sums[r.start - start]
                              for r, sums in zip(needed, fetch_sums, strict=True))
             pinned = sum(map(len, needed)) - from_below

@@ -10,6 +10,13 @@ reports a write), and completed when every worker has: the good blocks become re
 pool, checked as any fetch (a tier verifies each block against its key; a bad one is dropped
 from the pool and the tier, and is a miss).
 
+With several KV cache groups (vLLM's hybrid manager) a prefetch wishes for exactly what a load
+of the request's prefix would read now (loads.py's `_group_hits` and `_group_load`): the longest
+prefix every group can serve from the pool or a tier, and of it, per group, the blocks a reload
+needs (full attention: every block; sliding window: those inside the window before its end;
+state group: the one at its last position, the state there) that the pool lacks, each from the
+first tier holding it. A lookup waits for any of them in flight as for one group's.
+
 Bounded and harmless:
 - at most `max_blocks` blocks in flight, all requests together; a prefetch takes free slots or
   evicts idle blocks as a store does, never a pinned one (a block a running request is loading);
@@ -20,7 +27,7 @@ Bounded and harmless:
 - a request that finishes or is aborted before its prefetch is sent cancels it; one already
   sent completes (bounded by `max_blocks`);
 - off with a checked (shared) pool, whose blocks are committed with checksums the workers take
-  on a load, with a pool that only stages a tier's blocks, and with several KV cache groups.
+  on a load, and with a pool that only stages a tier's blocks.
 """
 
 from __future__ import annotations
@@ -89,13 +96,16 @@ class PrefetchPlanner:
     _step: StepJobs
     _counters: OffloadCounters
     _keys: Callable[[CacheGroup, Sequence[bytes]], list[bytes]]
+    _needed: Callable[[CacheGroup, int, int], range]  # loads.py's
+    _group_hits: Callable[[int, Sequence[bytes]], int | None]
+    _below: Callable[[Sequence[bytes]], list[int | None]]
     _write_evicted: Callable[[StorePlan], None]  # loads.py's
 
     def _init_prefetch(self, rules: PrefetchRules | None,
                        clock: Callable[[], float] = time.monotonic) -> None:
         self.prefetch_rules = rules or PrefetchRules()
         self._clock = clock
-        self._prefetch_wanted: dict[str, list[bytes]] = {}  # request -> the keys it may load
+        self._prefetch_wanted: dict[str, list[bytes]] = {}  # request -> block hashes it may load
         self._prefetches: dict[int, Prefetch] = {}  # op id -> the prefetch in flight
         self._prefetching: dict[bytes, int] = {}  # key in flight -> its op id
 
@@ -103,7 +113,7 @@ class PrefetchPlanner:
     def prefetching(self) -> bool:
         """Whether prefetch is on for this engine (see module doc for when it is off)."""
         return (self.prefetch_rules.max_blocks > 0 and bool(self.tiers) and not self.checked
-                and not self.staging and len(self.groups) == 1)
+                and not self.staging)
 
     def prefetch(self, req_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """A request arrived: its blocks below the pool are fetched ahead, from the next step
@@ -113,7 +123,7 @@ class PrefetchPlanner:
         end = min(len(block_hashes), (num_tokens - 1) // self.block_size)
         end = self.admission.load_end(req_id, 0, end)
         if end > 0:
-            self._prefetch_wanted[req_id] = self._keys(self.groups[0], block_hashes[:end])
+            self._prefetch_wanted[req_id] = list(block_hashes[:end])
 
     def _plan_prefetches(self) -> None:
         """Queue the prefetches whose slots are written out, then plan the wanted ones that
@@ -123,17 +133,20 @@ class PrefetchPlanner:
             if not prefetch.queued and not prefetch.after & self._writes.keys():
                 self._step.writes.append(prefetch.op)
                 prefetch.queued = True
-        for req_id, keys in list(self._prefetch_wanted.items()):
+        for req_id, hashes in list(self._prefetch_wanted.items()):
             room = min(self.prefetch_rules.max_blocks - len(self._prefetching),
                        self.index.num_reclaimable)
             if room <= 0:
                 return
-            if self._plan_prefetch(req_id, keys, room):
+            if self._plan_prefetch(req_id, hashes, room):
                 del self._prefetch_wanted[req_id]
 
-    def _plan_prefetch(self, req_id: str, keys: list[bytes], room: int) -> bool:
-        """Fetch ops for the keys past the pool's hits that the tiers hold, at most `room`;
+    def _plan_prefetch(self, req_id: str, hashes: list[bytes], room: int) -> bool:
+        """Fetch ops for the blocks past the pool's hits that the tiers hold, at most `room`;
         False when a tier has not answered yet."""
+        if len(self.groups) > 1:
+            return self._plan_group_prefetch(req_id, hashes, room)
+        keys = self._keys(self.groups[0], hashes)
         hits = self.index.lookup_prefix(keys)
         head, rest = keys[:hits], keys[hits:]
         if not rest:
@@ -146,6 +159,40 @@ class PrefetchPlanner:
         finally:
             if pinned:
                 self.index.complete_load(head)
+
+    def _plan_group_prefetch(self, req_id: str, hashes: list[bytes], room: int) -> bool:
+        """Several groups: the blocks a load of the prefix every group can serve now would
+        fetch (`_group_hits`, `_group_load`: per group its needed positions, those the pool
+        lacks, from the first tier holding each), at most `room`; False while a block it needs
+        is being fetched ahead for another request (asked again next step)."""
+        end = self._group_hits(0, hashes)
+        if end is None:
+            return False
+        needed = [key for group in self.groups
+                  for key in self._keys(group, [hashes[i] for i in self._needed(group, 0, end)])]
+        needed = list(dict.fromkeys(needed))
+        pooled = self.index.present(needed)
+        head = [key for key, ok in zip(needed, pooled, strict=True) if ok]
+        storing = getattr(self.index, "is_being_stored", None)
+        rest = [key for key, ok in zip(needed, pooled, strict=True) if not ok
+                and not (storing is not None and storing(key))]  # on its way: not ours
+        if not rest:
+            return True
+        # its pool blocks pinned while slots are taken for the rest: never evicted for them
+        pinned = bool(head) and self.index.prepare_load(head) is not None
+        try:
+            room = min(room, self.index.num_reclaimable)
+            below = self._below(rest)
+            for i, tier in enumerate(self.tiers):
+                mine = [key for key, where in zip(rest, below, strict=True) if where == i]
+                taken = mine[:max(0, room)]
+                if taken and not self._start_prefetch(req_id, tier, taken):
+                    break
+                room -= len(taken)
+        finally:
+            if pinned:
+                self.index.complete_load(head)
+        return True
 
     def _plan_fetches_ahead(self, req_id: str, rest: list[bytes], room: int) -> bool:
         held = self.index.present(rest)
@@ -236,6 +283,15 @@ class PrefetchPlanner:
             events.settled([key for key in prefetch.keys if key not in kept])
         self._by_name[prefetch.tier].complete_fetch(op_id, prefetch.keys, list(bad))
         self._counters.prefetched_blocks += sum(good)
+
+    def _prefetch_flying(self, keys: Sequence[bytes]) -> dict[bytes, bool]:
+        """Those of `keys` being fetched ahead: whether a lookup still waits for each (before
+        its prefetch's deadline)."""
+        if not self._prefetching:
+            return {}
+        now = self._clock()
+        return {key: now < self._prefetches[op_id].deadline for key in keys
+                if (op_id := self._prefetching.get(key)) is not None}
 
     def _prefetch_wait(self, keys: Sequence[bytes]) -> tuple[bool, int]:
         """A lookup's keys past the pool's hits: (whether to wait for a prefetch in flight

@@ -8,8 +8,10 @@ new request for A waits in vLLM's queue: its 4 disk blocks move into the pool me
 when it is scheduled they are pool hits, loaded bit-exact. Then: an aborted request's unsent
 prefetch is cancelled and a sent one completes, leaking nothing; many requests over a pool too
 small for them, with preemptions, keep every token right, at TP 1 and TP 2 (each rank reading
-its own part); with several KV cache groups prefetch stays off; TP 2 ranks each fetch their own
-part.
+its own part); TP 2 ranks each fetch their own part. With vLLM's hybrid manager on (full
+attention with a sliding window group, or an align-mode state group) a queued request's blocks
+are prefetched for every group, those a load of its prefix reads (every full attention block,
+the sliding ones inside the window, the state at the prefix's end), and an abort cancels it.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ BLOCKER = 20 * BS + 5  # prefilled over 3 steps of the engine's 128-token budget
 
 
 def disk_engine(model_dir: str, disk: Path, *, cpu_slots: int = 8, tp: int = 1,
-                async_scheduling: bool = False, window: int | None = None,
-                prefetch_blocks: int = 8, **setup: Any) -> h.Engine:
-    layers = len(h.stage_layers(1)[0]) // (2 if window else 1)
+                async_scheduling: bool = False, window: int | None = None, state: bool = False,
+                write_policy: str = "evict", prefetch_blocks: int = 8,
+                **setup: Any) -> h.Engine:
+    # hybrid: a slot holds one of the two groups sharing the tensors, half the layers
+    layers = len(h.stage_layers(1)[0]) // (2 if window or state else 1)
     slot = round_up(layers * h.page_bytes(tp), HOST_ALIGNMENT)
     config = {"cpu_bytes": cpu_slots * slot, "disk_path": str(disk),
-              "disk_bytes": 64 * (slot + 4096), "disk_write_policy": "evict",
+              "disk_bytes": 64 * (slot + 4096), "disk_write_policy": write_policy,
               "prefetch_blocks": prefetch_blocks, "prefetch_deadline_s": 30.0}
     return h.Engine(h.EngineSetup(model_dir=model_dir, async_scheduling=async_scheduling,
-                                  tensor_parallel_size=tp, sliding_window=window,
+                                  tensor_parallel_size=tp, sliding_window=window, state=state,
                                   extra_config=config, **setup))
 
 
@@ -179,15 +183,76 @@ def test_preemptions_at_tp2_keep_every_token_and_each_rank_reads_its_part(
     assert gained["disk_read_bytes"] == read_blocks * tp * h.block_bytes(tp), gained
 
 
-def test_with_several_kv_cache_groups_prefetch_stays_off(model_dir: str,
-                                                         tmp_path: Path) -> None:
-    engine = disk_engine(model_dir, tmp_path / "disk", window=40)
-    assert not engine.connector._scheduler.prefetching
-    a, b = make_prompt(7, 6 * BS + 5), make_prompt(8, 6 * BS + 3)
-    a_on_disk(engine, a, b)
-    blocker = make_prompt(9, BLOCKER)
+@pytest.mark.parametrize(("window", "state", "async_scheduling"), [
+    pytest.param(40, False, False, id="sliding-window-Scheduler"),
+    pytest.param(None, True, True, id="state-AsyncScheduler")])
+def test_a_queued_hybrid_requests_blocks_are_prefetched_for_every_group(
+        model_dir: str, tmp_path: Path, window: int | None, state: bool,
+        async_scheduling: bool) -> None:
+    """A restarted hybrid engine finds A's blocks only on disk; A waits behind a blocker, and
+    the blocks a load of its 6-block prefix reads (6 full attention blocks, plus the 3 sliding
+    ones inside the window or the state after 6 blocks) are fetched ahead, all but one: the
+    prefetch may take one block fewer than they are, and the load reads that one from disk."""
+    a = make_prompt(10, 6 * BS + 7)
+    first = disk_engine(model_dir, tmp_path / "disk", cpu_slots=16, window=window,
+                        state=state, write_policy="through")
+    run_to_completion(first, {"a": (a, 2)})
+    h.Engine.shutdown_all()
+    needed = 6 + (3 if window else 1)
+    engine = disk_engine(model_dir, tmp_path / "disk", cpu_slots=16, window=window,
+                         state=state, write_policy="through", prefetch_blocks=needed - 1,
+                         async_scheduling=async_scheduling)
+    assert len(engine.kv_cache_config.kv_cache_groups) == 2
+    assert engine.connector._scheduler.prefetching
+    assert h.reload_blocks(engine, 6) == needed
+    assert len(engine.connector._scheduler.index) == 0  # only on disk
+    poison_gpu(engine)
+    blocker = make_prompt(11, BLOCKER)
     add(engine, "blocker", blocker, params={"max_offload_tokens": 0})
-    add(engine, "a2", a)
+    request = add(engine, "a2", a)
+    engine.step()
+    assert request.status == RequestStatus.WAITING  # queued behind the blocker's prefill
     run_to_completion(engine, {"blocker": (blocker, 2), "a2": (a, 2)})
+    for worker in engine.workers:
+        assert worker.starts["a2"] == [6 * BS]  # resumed after the load: every byte checked
     stats = total_stats(engine).data
-    assert stats["prefetched_blocks"] == 0 and stats["disk_hit_tokens"] > 0
+    assert stats["prefetched_blocks"] == needed - 1
+    # the load: 6 blocks, one position of them with a block read from disk
+    assert (stats["hit_tokens"], stats["disk_hit_tokens"]) == (6 * BS, BS)
+    assert stats["disk_read_bytes"] == needed * h.block_bytes(1) // 2  # each block read once
+    assert stats["failed_loads"] == 0 and stats["disk_failed_reads"] == 0
+
+
+def test_an_aborted_hybrid_requests_prefetch_is_cancelled(model_dir: str,
+                                                         tmp_path: Path) -> None:
+    """A sliding window engine whose pool is full of B's idle blocks, A's only on disk: a
+    queued request for A plans its prefetch into slots whose blocks go to disk first (not sent
+    yet); its abort cancels it, holding nothing; A then loads every group bit-exact."""
+    engine = disk_engine(model_dir, tmp_path / "disk", cpu_slots=12, window=40,
+                         prefetch_blocks=12)
+    core = engine.connector._scheduler
+    a, b = make_prompt(12, 6 * BS + 5), make_prompt(13, 6 * BS + 3)
+    a_on_disk(engine, a, b)
+    hashes = Request("probe", a, SamplingParams(max_tokens=1), None,
+                       block_hasher=get_request_block_hasher(BS, sha256)).block_hashes
+    a_keys = [key for group in core.groups for key in core._keys(group, hashes)]
+    assert not any(core.index.present(a_keys))  # B's stores evicted every block of A
+    blocker = make_prompt(14, 40 * BS + 5)  # 6 steps of prefill
+    add(engine, "blocker", blocker, params={"max_offload_tokens": 0})
+    add(engine, "unsent", a)
+    engine.abort("unsent")  # before any step: nothing planned
+    engine.step()
+    assert not core._prefetches
+    add(engine, "held", a)
+    engine.step()  # planned: its slots' evicted blocks are written to disk first
+    assert [p.sent for p in core._prefetches.values()] == [False]
+    assert len(core._prefetching) == h.reload_blocks(engine, 6)
+    engine.abort("held")  # cancelled: nothing sent, nothing held
+    assert not core._prefetches and not core._prefetching
+    run_to_completion(engine, {"blocker": (blocker, 2)})
+    stats = total_stats(engine).data
+    assert stats["prefetched_blocks"] == 0
+    run_to_completion(engine, {"a3": (a, 2)})
+    assert all(w.starts["a3"] == [6 * BS] for w in engine.workers)
+    stats = total_stats(engine).data
+    assert stats["failed_loads"] == 0 and stats["disk_hit_tokens"] == 6 * BS
