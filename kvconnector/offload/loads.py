@@ -145,10 +145,13 @@ class LoadPlanner:
         cannot reserve a slot for a key on its way (another request's load fetching it, or a
         store of it), so a load offered it would fail and vLLM would recompute: a lookup offers
         none from there on. (A shared pool's index cannot tell: its lookups are unchanged.)"""
+        return next((keys[:i] for i, key in enumerate(keys) if self._on_its_way(key)), keys)
+
+    def _on_its_way(self, key: bytes) -> bool:
+        """Whether a store or fetch is bringing `key` into the pool now (False where the index
+        cannot tell: a shared pool's)."""
         storing = getattr(self.index, "is_being_stored", None)
-        if storing is None:
-            return keys
-        return next((keys[:i] for i, key in enumerate(keys) if storing(key)), keys)
+        return storing is not None and storing(key)
 
     def _below(self, keys: Sequence[bytes]) -> list[int | None]:
         """Per key the pool lacks, the first tier (its index in `tiers`) that holds it."""

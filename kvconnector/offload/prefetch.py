@@ -99,6 +99,7 @@ class PrefetchPlanner:
     _needed: Callable[[CacheGroup, int, int], range]  # loads.py's
     _group_hits: Callable[[int, Sequence[bytes]], int | None]
     _below: Callable[[Sequence[bytes]], list[int | None]]
+    _on_its_way: Callable[[bytes], bool]
     _write_evicted: Callable[[StorePlan], None]  # loads.py's
 
     def _init_prefetch(self, rules: PrefetchRules | None,
@@ -173,9 +174,8 @@ class PrefetchPlanner:
         needed = list(dict.fromkeys(needed))
         pooled = self.index.present(needed)
         head = [key for key, ok in zip(needed, pooled, strict=True) if ok]
-        storing = getattr(self.index, "is_being_stored", None)
-        rest = [key for key, ok in zip(needed, pooled, strict=True) if not ok
-                and not (storing is not None and storing(key))]  # on its way: not ours
+        rest = [key for key, ok in zip(needed, pooled, strict=True)
+                if not ok and not self._on_its_way(key)]  # on its way: not ours
         if not rest:
             return True
         # its pool blocks pinned while slots are taken for the rest: never evicted for them

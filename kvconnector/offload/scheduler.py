@@ -443,7 +443,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                 lists.append(xxh3s + committed[self.num_workers:])
                 slots.append(late.slots[i])
         applied = dict(zip(keys, self.index.add_sums(keys, lists, slots),  # type: ignore
-                           strict=True))
+                           strict=True)) if keys else {}  # no round trip for nothing
         xxh3s = dict(zip(keys, lists, strict=True))
         for _, late in done:
             if late.epoch != self.index.epoch:
