@@ -32,6 +32,7 @@ from engine_support import (
     generate,
     on_gpu,
     running_llm,
+    scheduler_connector,
     settle,
 )
 from tiny_llama import prompt_ids
@@ -96,7 +97,10 @@ def second_gpu() -> str | None:
     the pool is shared across GPUs; None: beside A (one GPU, or the CPU build)."""
     import torch
 
-    return "1" if on_gpu() and torch.cuda.device_count() >= 2 else None
+    if not on_gpu() or torch.cuda.device_count() < 2:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # B names it in the same terms
+    return visible.split(",")[1].strip() if visible else "1"
 
 
 def second_engine(model_dir: str, pool_name: str, gpu: str | None, conn: Connection) -> None:
@@ -142,6 +146,9 @@ def test_engines_share_the_pool_and_a_restarted_engine_is_served_from_it(
         tiny_model: str, pool: PoolProcess) -> None:
     extra = {"pool": pool.name}
     with running_llm(tiny_model, extra) as first:
+        # a GPU engine's workers check loads by the row sums blocks are committed with: its
+        # lookups offer blocks whose xxh3 is not attached yet; a CPU engine's wait for it
+        assert scheduler_connector(first)._pool_index.row_sum_reader == on_gpu()
         computed = generate(first, FIRST)
         assert computed.num_cached_tokens == 0, computed
         # A load is compared with vLLM's own prefix-cache reuse (engine_checks.compute_then_reload

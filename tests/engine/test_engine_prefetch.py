@@ -6,8 +6,9 @@ wait in vLLM's queue, where prefetch moves their blocks. One runs at a time (as 
 computed them: CPU attention's numbers depend on the batch).
 
 A first engine computes the 16 prompts (200 tokens each: 6 full blocks go to the store) and
-stops. Each next engine gets all 16 at once: every output (tokens and logprobs) is identical to
-the first engine's, which computed them; every loadable token is a hit; without prefetch all
+stops, each served once more from its own prefix cache before it stops. Each next engine gets
+all 16 at once: every output (tokens and logprobs) is identical to that reuse of the same 192
+tokens in the first engine; every loadable token is a hit; without prefetch all
 of them come from the store, with it the blocks fetched ahead are pool hits, and the store
 serves exactly the rest. The sum over the requests of their time from queued to first token
 is printed for both, with their ratio, not asserted: speed is measured by benchmarks, never by a
@@ -53,8 +54,13 @@ def _extra(url: str, prefetch_blocks: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def computed(tiny_model: str, store: StoreProcess) -> list[Generation]:
+    """Each prompt computed, then served from vLLM's own prefix cache: a load of its 192 tokens
+    is compared with that reuse (engine_checks.compute_then_reload says why)."""
     with running_llm(tiny_model, _extra(store.url, 0)) as llm:
+        for prompt in PROMPTS:
+            assert generate(llm, prompt).num_cached_tokens == 0
         outputs = [generate(llm, prompt) for prompt in PROMPTS]
+        assert [out.num_cached_tokens for out in outputs] == [LOADABLE] * len(PROMPTS)
         settle(llm)  # every put done
     return outputs
 
