@@ -82,6 +82,9 @@ def start_llm(model_dir: str, extra_config: dict[str, Any], *, tensor_parallel_s
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if on_gpu():
         llm_kwargs.setdefault("attention_backend", "TRITON_ATTN")
+        # the KV cache is sized by kv_cache_memory_bytes; vLLM still refuses to start unless
+        # this share of the GPU is free, so a lower one lets tiny engines share a GPU
+        llm_kwargs.setdefault("gpu_memory_utilization", 0.2)
         if not in_process:  # a forked worker cannot use CUDA once its parent has
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     elif tensor_parallel_size == 2:  # two CPU workers need a core each (CI has 2)
