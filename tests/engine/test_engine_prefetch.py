@@ -5,8 +5,8 @@ give it GPU blocks, so the engines serving the queue get KV cache for 2 requests
 wait in vLLM's queue, where prefetch moves their blocks. One runs at a time (as the first engine
 computed them: CPU attention's numbers depend on the batch).
 
-A first engine computes the 16 prompts (200 tokens each: 6 full blocks go to the store) and
-stops, each served once more from its own prefix cache before it stops. Each next engine gets
+A first engine, set up as those serving the queue, computes the 16 prompts one by one (200
+tokens each: 6 full blocks go to the store), each served once more from its own prefix cache. Each next engine gets
 all 16 at once: every output (tokens and logprobs) is identical to that reuse of the same 192
 tokens in the first engine; every loadable token is a hit; without prefetch all
 of them come from the store, with it the blocks fetched ahead are pool hits, and the store
@@ -44,6 +44,8 @@ LOADABLE = 192  # tokens of each prompt a lookup offers (6 full blocks)
 REMOTE_DEADLINE_S = 30.0
 MAX_LEN = 256  # a request needs 7 blocks of 32 tokens (200 + 16); vLLM checks 8 fit
 GPU_BLOCKS = 16  # KV cache for 2 requests
+QUEUE_ENGINE = dict(max_num_seqs=1, max_model_len=MAX_LEN,
+                    kv_cache_memory_bytes=GPU_BLOCKS * block_bytes())
 
 
 def _extra(url: str, prefetch_blocks: int) -> dict[str, Any]:
@@ -55,12 +57,14 @@ def _extra(url: str, prefetch_blocks: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def computed(tiny_model: str, store: StoreProcess) -> list[Generation]:
     """Each prompt computed, then served from vLLM's own prefix cache: a load of its 192 tokens
-    is compared with that reuse (engine_checks.compute_then_reload says why)."""
-    with running_llm(tiny_model, _extra(store.url, 0)) as llm:
+    is compared with that reuse (engine_checks.compute_then_reload says why), in an engine set
+    up as the ones serving the queue (a GPU's attention kernels depend on those sizes)."""
+    outputs = []
+    with running_llm(tiny_model, _extra(store.url, 0), **QUEUE_ENGINE) as llm:
         for prompt in PROMPTS:
             assert generate(llm, prompt).num_cached_tokens == 0
-        outputs = [generate(llm, prompt) for prompt in PROMPTS]
-        assert [out.num_cached_tokens for out in outputs] == [LOADABLE] * len(PROMPTS)
+            outputs.append(generate(llm, prompt))
+            assert outputs[-1].num_cached_tokens == LOADABLE, outputs[-1]
         settle(llm)  # every put done
     return outputs
 
@@ -84,9 +88,7 @@ def test_a_queue_served_with_prefetch_loads_from_the_pool_identically(
         tiny_model: str, store: StoreProcess, computed: list[Generation]) -> None:
     totals = {}
     for prefetch_blocks in (0, 96):
-        with running_llm(tiny_model, _extra(store.url, prefetch_blocks), max_num_seqs=1,
-                         max_model_len=MAX_LEN, kv_cache_memory_bytes=GPU_BLOCKS * block_bytes()
-                         ) as llm:
+        with running_llm(tiny_model, _extra(store.url, prefetch_blocks), **QUEUE_ENGINE) as llm:
             before = counters(llm)
             outputs, waits = serve_queue(llm)
             gained = counted(llm, before)

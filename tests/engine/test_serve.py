@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_support import BLOCK_SIZE, block_bytes
+from engine_support import BLOCK_SIZE, block_bytes, on_gpu
 from serve_support import GPU_BLOCKS, LAUNCHER, ServeProcess
 from tiny_llama import prompt_ids
 
 from kvconnector.vllm.counters import counter_names
 
-pytestmark = pytest.mark.engine
+# vLLM's CPU build only: the server starts through examples/vllm_cpu.py, the CPU launcher
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(on_gpu(), reason="vllm serve through the CPU launcher")]
 
 POOL_BLOCKS = 256
 BENCH_TIMEOUT_S = 600.0  # the bench client imports vLLM too: minutes on a busy 2-core CI
