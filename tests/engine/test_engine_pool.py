@@ -20,7 +20,6 @@ import os
 import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import pytest
 from engine_support import (
@@ -31,6 +30,7 @@ from engine_support import (
     counters,
     generate,
     on_gpu,
+    pool_stats,
     running_llm,
     scheduler_connector,
     settle,
@@ -38,10 +38,7 @@ from engine_support import (
 from tiny_llama import prompt_ids
 
 from kvconnector.servers.pool import PoolProcess
-from transfer.keys import Namespace
 from transfer.pool import HostPool
-from transfer.shared import protocol
-from transfer.shared.client import PoolClient
 
 pytestmark = pytest.mark.engine
 
@@ -60,15 +57,6 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
         yield process
 
 
-def pool_stats(pool: PoolProcess) -> dict[str, Any]:
-    """The daemon's counters, through a connection of its own (any namespace will do)."""
-    client = PoolClient(pool.name, [Namespace("probe", "uint8", 1, "")], 1)
-    try:
-        return client.request(protocol.STATS)
-    finally:
-        client.close()
-
-
 def expect_loaded(got: Generation, gained: dict[str, float]) -> None:
     """STORED_TOKENS came from the pool: vLLM's counters and the connector's (what they
     `gained` over the request) agree."""
@@ -83,7 +71,7 @@ def expect_loaded(got: Generation, gained: dict[str, float]) -> None:
 def corrupt_slots(pool: PoolProcess) -> int:
     """Flip one byte of every slot through the shared segment (the daemon's index still lists
     the blocks); returns the slots written."""
-    segment = pool_stats(pool)["segment"]
+    segment = pool_stats(pool.name)["segment"]
     shm = HostPool.attach(segment, pinned=False)
     try:
         shm.slots[:, 7] ^= 0x5A
@@ -156,7 +144,7 @@ def test_engines_share_the_pool_and_a_restarted_engine_is_served_from_it(
         reference = generate(first, FIRST)
         assert reference.num_cached_tokens == STORED_TOKENS, reference
         settle(first)  # stored in the pool; A's own prefix cache emptied
-        assert pool_stats(pool)["stored"] == STORED_BLOCKS
+        assert pool_stats(pool.name)["stored"] == STORED_BLOCKS
         got, gained, own = run_second_engine(tiny_model, pool.name)  # while A runs
         assert got.same_output(reference), (reference, got)
         expect_loaded(got, gained)
@@ -167,7 +155,7 @@ def test_engines_share_the_pool_and_a_restarted_engine_is_served_from_it(
         assert served.same_output(own), (own, served)
         expect_loaded(served, counted(first, before))
         settle(first)
-    assert pool_stats(pool)["stored"] == 2 * STORED_BLOCKS
+    assert pool_stats(pool.name)["stored"] == 2 * STORED_BLOCKS
     with running_llm(tiny_model, extra) as restarted:
         before = counters(restarted)
         again = generate(restarted, FIRST)

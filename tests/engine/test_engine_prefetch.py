@@ -6,14 +6,14 @@ wait in vLLM's queue, where prefetch moves their blocks. One runs at a time (as 
 computed them: CPU attention's numbers depend on the batch).
 
 A first engine, set up as those serving the queue, computes the 16 prompts one by one (200
-tokens each: 6 full blocks go to the store), each served once more from its own prefix cache. Each next engine gets
-all 16 at once: every output (tokens and logprobs) is identical to that reuse of the same 192
-tokens in the first engine; every loadable token is a hit; without prefetch all
-of them come from the store, with it the blocks fetched ahead are pool hits, and the store
-serves exactly the rest. The sum over the requests of their time from queued to first token
-is printed for both, with their ratio, not asserted: speed is measured by benchmarks, never by a
-timed test (benchmarks/bench_prefetch.py measures what prefetch hides: a queue whose every
-request is mostly its fetch).
+tokens each: 6 full blocks go to the store), each served once more from its own prefix cache.
+Each next engine gets all 16 at once: every output (tokens and logprobs) is identical to that
+reuse of the same 192 tokens in the first engine; every loadable token is a hit; without
+prefetch all of them come from the store, with it the blocks fetched ahead are pool hits, and
+the store serves exactly the rest. The sum over the requests of their time from queued to first
+token is printed for both, with their ratio, not asserted: speed is measured by benchmarks,
+never by a timed test (benchmarks/bench_prefetch.py measures what prefetch hides: a queue
+whose every request is mostly its fetch).
 """
 
 from __future__ import annotations
