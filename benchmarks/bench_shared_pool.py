@@ -38,13 +38,9 @@ from kvconnector.bench.ceilings import CeilingMeter
 from kvconnector.bench.runner import allocate_arenas
 from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
 from kvconnector.bench.shared_pool_gpus import (
-    SET_MAX_BYTES,
-    GpuWorkers,
-    add_ratios,
-    engine_blocks,
     format_tables,
-    measure_ceilings,
-    measure_engines,
+    measure_every_gpu,
+    mismatched_blocks_in,
     resolve_gpus,
     visible_name,
 )
@@ -124,25 +120,19 @@ def _every_gpu(args: argparse.Namespace, gpus: list[int], device_type: str,
                argv: list[str]) -> int:
     """One engine process per GPU, all at once; the tables last; 1 where a byte mismatched."""
     sizes = [parse_size(s) for s in args.block_sizes.split(",")]
-    blocks = [engine_blocks(size, len(gpus), device_type) for size in sizes]
-    for size, n in zip(sizes, blocks, strict=True):
-        if n < 3:
-            raise SystemExit(f"no room for 3 blocks of {size} B per set: {1 + 2 * len(gpus)} "
-                             f"sets in /dev/shm ({shm_free_bytes() >> 20} MiB free; docker: "
-                             f"--shm-size), each at most {SET_MAX_BYTES[device_type]} B")
-    with GpuWorkers(gpus, device_type) as workers:
-        ceilings = measure_ceilings(workers, args.repeats)
-        raw = ceilings["aggregate"]
-        print(f"raw copies on {len(gpus)} GPUs at once: load {raw['h2d_gbps']:.2f} GB/s, "
-              f"store {raw['d2h_gbps']:.2f} GB/s, both {raw['bidir_gbps']:.2f} GB/s", flush=True)
-        rows = []
-        for size, n in zip(sizes, blocks, strict=True):
-            row = measure_engines(workers, size, n, args.repeats)
-            add_ratios(row, ceilings)
-            rows.append(row)
-            print(f"block {size >> 10} KiB x {n} per engine and set: load "
-                  f"{row['ratios']['load']:.3f}, store {row['ratios']['store']:.3f}, both "
-                  f"{row['ratios']['both']:.3f} of the raw aggregate", flush=True)
+    try:
+        result = measure_every_gpu(gpus, device_type, sizes, args.repeats,
+                                   lambda what: print(f"measuring {what}", flush=True))
+    except ValueError as exc:  # no room in /dev/shm: said before anything ran
+        raise SystemExit(str(exc)) from None
+    ceilings, rows = result["ceilings"], result["rows"]
+    raw = ceilings["aggregate"]
+    print(f"raw copies on {len(gpus)} GPUs at once: load {raw['h2d_gbps']:.2f} GB/s, "
+          f"store {raw['d2h_gbps']:.2f} GB/s, both {raw['bidir_gbps']:.2f} GB/s")
+    for row in rows:
+        print(f"block {row['block_bytes'] >> 10} KiB x {row['blocks']} per engine and set: load "
+              f"{row['ratios']['load']:.3f}, store {row['ratios']['store']:.3f}, both "
+              f"{row['ratios']['both']:.3f} of the raw aggregate")
     print(format_tables(ceilings, rows), flush=True)
     if args.json is not None:
         record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -154,9 +144,7 @@ def _every_gpu(args: argparse.Namespace, gpus: list[int], device_type: str,
                   "block_sizes": [row["block_bytes"] for row in rows],
                   "ceilings": ceilings, "rows": rows}
         args.json.write_text(json.dumps(record, indent=2))
-    mismatched = sum(e["load_mismatches"] + e["store_mismatches"]
-                     for row in rows for e in row["engines"])
-    return 1 if mismatched else 0
+    return 1 if mismatched_blocks_in(rows) else 0
 
 
 if __name__ == "__main__":

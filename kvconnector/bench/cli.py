@@ -70,6 +70,10 @@ def add_parser(subparsers: Any) -> None:
                    help=f"prefix length for the load-time figure (default {DEFAULT_PREFIX_TOKENS},"
                         " less if the budget is short)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median)")
+    p.add_argument("--gpus", default=None, metavar="all|I,J,...",
+                   help="also run the shared pool on these GPUs at once, one engine process "
+                        "each storing and loading, against the same run's raw copies on all of "
+                        "them (two or more; without a GPU, stand-in processes)")
     p.add_argument("--remote-security", default=None, metavar="MODES",
                    help=f"comma list of {', '.join(SECURITY_MODES)}, or 'all': the remote "
                         f"tier's security modes (default {DEFAULT_SECURITY}; all with "
@@ -200,6 +204,29 @@ def _budget(args: argparse.Namespace, device: torch.device) -> int:
     return budget
 
 
+def _gpus(args: argparse.Namespace, cases: list[Any], cuda: bool) -> list[int] | None:
+    """`--gpus` resolved, and room in /dev/shm for its pool checked, before anything runs."""
+    if args.gpus is None:
+        return None
+    from kvconnector.bench.shared_pool import pool_block_bytes
+    from kvconnector.bench.shared_pool_gpus import blocks_per_set, resolve_gpus
+
+    try:
+        gpus = resolve_gpus(args.gpus, cuda)
+        if len(gpus) < 2:
+            raise ValueError(f"--gpus {args.gpus} names one GPU: the shared pool on one GPU is "
+                             f"measured anyway; give two or more")
+        blocks_per_set(_pool_sizes(cases, pool_block_bytes), len(gpus), "cuda" if cuda else "cpu")
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    return gpus
+
+
+def _pool_sizes(cases: list[Any], pool_block_bytes: Any) -> list[int]:
+    """The cases' distinct block sizes in a pool, in their order."""
+    return list(dict.fromkeys(pool_block_bytes(case) for case in cases))
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -256,6 +283,7 @@ def _command(args: argparse.Namespace, budget: str, securities: list[str]) -> st
         parts += ["--block-size", ",".join(map(str, args.block_size))]
     for flag, value in (("--blocks", args.blocks), ("--budget", budget),
                         ("--prefix-tokens", args.prefix_tokens), ("--repeats", args.repeats),
+                        ("--gpus", args.gpus),
                         ("--json", args.json), ("--plot", args.plot),
                         ("--redis-url", args.redis_url), ("--redis-user", args.redis_user),
                         ("--redis-password-file", args.redis_password_file),
@@ -329,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     _check_extras(args, cuda)
     redis_auth = _redis_auth(args)
+    gpus = _gpus(args, cases, cuda)
     device = torch.device("cuda" if cuda else "cpu")
     budget = _budget(args, device)
     _check_outputs(args)
@@ -342,7 +371,8 @@ def _run(args: argparse.Namespace) -> int:
     from kvconnector.bench.remote import measure_remote, remote_steps
     from kvconnector.bench.report import LAYOUT_LABELS
     from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
-    from kvconnector.bench.shared_pool import measure_shared, shared_steps
+    from kvconnector.bench.shared_pool import measure_shared, pool_block_bytes, shared_steps
+    from kvconnector.bench.shared_pool_gpus import measure_every_gpu
 
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
@@ -377,6 +407,8 @@ def _run(args: argparse.Namespace) -> int:
                  + shared_steps(len(plan)))
         if redis_auth is not None:
             units += redis_steps(len(plan))
+        if gpus is not None:  # the raw copies, then each block size
+            units += 1 + len(_pool_sizes(cases, pool_block_bytes))
         with BenchProgress(err, units) as progress:
             meter = CeilingMeter(arenas.device, arenas.host, args.repeats)
             try:
@@ -395,6 +427,10 @@ def _run(args: argparse.Namespace) -> int:
                 meter.close()
             results = [run.as_dict(ceilings) for run in runs]
             shared = measure_shared(plan, ceilings, device, args.repeats, progress.next)
+            if gpus is not None:
+                shared["every_gpu"] = measure_every_gpu(
+                    gpus, device.type, _pool_sizes(cases, pool_block_bytes), args.repeats,
+                    progress.next)
             remote = measure_remote(plan, arenas.host, budget, args.repeats, progress.next,
                                     securities)
             redis = None if redis_auth is None else measure_redis(
@@ -431,6 +467,7 @@ def _run(args: argparse.Namespace) -> int:
         arenas.close()
 
     from kvconnector.bench.report import print_report, write_json, write_plot
+    from kvconnector.bench.shared_pool_gpus import mismatched_blocks_in
 
     print_report(record, out)
     if args.json is not None:
@@ -439,4 +476,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         _write(write_plot, record, "--plot", args.plot)
         out.print(f"wrote {args.plot}")
+    every = shared.get("every_gpu")
+    if every is not None and mismatched_blocks_in(every["rows"]):
+        return 1  # a block came back unlike what was stored: the report says where
     return 0

@@ -101,6 +101,19 @@ def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
     return lines
 
 
+def every_gpu_verdicts(every: dict[str, Any], device_type: str) -> list[str]:
+    """Each direction's aggregate over every GPU against the same run's raw aggregate."""
+    if device_type != "cuda":
+        return ["verdicts: on a CPU the stand-in processes' rates are summing and hashing on "
+                "this machine's cores, not copies: no verdict"]
+    lines = [f"verdicts against the same-run raw copies on every GPU at once; {SCALE}:"]
+    for row in every["rows"]:
+        ratios = row["ratios"]
+        lines.append(f"  {format_bytes(row['block_bytes'])}: {judged('load', ratios['load'])}, "
+                     f"{judged('store', ratios['store'])}, {judged('both', ratios['both'])}")
+    return lines
+
+
 def tier_verdicts(rows: list[dict[str, Any]], against: str, head: list[str]) -> list[str]:
     """put/get ratios against `against` (a same-run baseline), one line per row; `head`: the
     row's naming fields."""
@@ -197,6 +210,14 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
                    f"{row['load_meta_us']:.2f}", f"{row['store_meta_us']:.2f}")
     console.print(st)
     _print_lines(shared_verdicts(shared, device_type), console)
+    every = shared.get("every_gpu")
+    if every is not None:
+        from kvconnector.bench.shared_pool_gpus import format_tables  # imports torch
+
+        console.print(f"\nshared host pool on {len(every['gpus'])} GPUs at once: one engine "
+                      f"process per GPU, each storing and loading", highlight=False)
+        _print_lines(format_tables(every["ceilings"], every["rows"]).splitlines(), console)
+        _print_lines(every_gpu_verdicts(every, device_type), console)
 
 
 def _print_remote(remote: dict[str, Any] | None, console: Any) -> None:

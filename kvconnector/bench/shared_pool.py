@@ -56,15 +56,19 @@ def shared_steps(num_cases: int) -> int:
     return num_cases
 
 
+def pool_block_bytes(case: Any) -> int:
+    """The bytes a case's block takes in a pool: an engine's slot is its block rounded up to
+    whole 4 KiB pages (kvconnector/vllm/tiers.py), and a pool's --slot-bytes is whole pages."""
+    return -(-case.layout.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+
+
 def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats: int,
                    step: Callable[[str], None]) -> dict[str, Any]:
     """One row per case; {"skipped": why} where no pool fits in /dev/shm."""
     rows = []
     for case, blocks, _ in plan:
         step(f"{case.name}: shared pool")
-        # An engine's slot is its block rounded up to whole 4 KiB pages (kvconnector/vllm/
-        # tiers.py), and a pool's --slot-bytes is whole pages.
-        block_bytes = -(-case.layout.block_bytes // HOST_ALIGNMENT) * HOST_ALIGNMENT
+        block_bytes = pool_block_bytes(case)
         stride = slot_stride(block_bytes)
         fit = int(shm_free_bytes() * 0.8) // (3 * stride)
         n = min(blocks, SHARED_MAX_BYTES[device.type] // block_bytes, fit)

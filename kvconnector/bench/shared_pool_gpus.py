@@ -590,6 +590,41 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
             "aggregate": aggregate}
 
 
+def blocks_per_set(sizes: Sequence[int], num: int, device_type: str) -> list[int]:
+    """`engine_blocks` of each block size; ValueError, before anything runs, where /dev/shm
+    cannot hold three blocks a set of one of them."""
+    blocks = [engine_blocks(size, num, device_type) for size in sizes]
+    for size, n in zip(sizes, blocks, strict=True):
+        if n < 3:
+            raise ValueError(f"no room for 3 blocks of {size} B per set: {1 + 2 * num} sets in "
+                             f"/dev/shm ({shm_free_bytes() >> 20} MiB free; docker: "
+                             f"--shm-size), each at most {SET_MAX_BYTES[device_type]} B")
+    return blocks
+
+
+def measure_every_gpu(gpus: list[int], device_type: str, sizes: Sequence[int], repeats: int,
+                      step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The raw ceilings of `gpus`, then one row per block size with its ratios (`add_ratios`);
+    `step` is told before each measurement. `mismatched_blocks_in` counts what failed."""
+    blocks = blocks_per_set(sizes, len(gpus), device_type)
+    with GpuWorkers(gpus, device_type) as workers:
+        step(f"{len(gpus)} GPUs: raw copies")
+        ceilings = measure_ceilings(workers, repeats)
+        rows = []
+        for size, n in zip(sizes, blocks, strict=True):
+            step(f"{len(gpus)} GPUs: shared pool, {size >> 10} KiB blocks")
+            row = measure_engines(workers, size, n, repeats)
+            add_ratios(row, ceilings)
+            rows.append(row)
+    return {"gpus": gpus, "ceilings": ceilings, "rows": rows}
+
+
+def mismatched_blocks_in(rows: Sequence[dict[str, Any]]) -> int:
+    """Blocks that came back unlike what was stored, over every engine of every row."""
+    return sum(e["load_mismatches"] + e["store_mismatches"] for row in rows
+               for e in row["engines"])
+
+
 def add_ratios(row: dict[str, Any], ceilings: dict[str, Any]) -> None:
     """Each aggregate against the same run's raw aggregate of its direction."""
     raw, agg = ceilings["aggregate"], row["aggregate"]
@@ -629,6 +664,6 @@ def format_tables(ceilings: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                    f"{ratio['both_load']:>11.3f} {ratio['both_store']:>8.3f} "
                    f"{ratio['both']:>8.3f}")
         checked = sum(e["load_bytes_compared"] + e["store_bytes_compared"] for e in row["engines"])
-        bad = sum(e["load_mismatches"] + e["store_mismatches"] for e in row["engines"])
-        out.append(f"{'bytes compared':>22} {checked}: {bad} mismatched blocks")
+        out.append(f"{'bytes compared':>22} {checked}: {mismatched_blocks_in([row])} "
+                   f"mismatched blocks")
     return "\n".join(out)

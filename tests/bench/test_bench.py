@@ -112,6 +112,43 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
 
 
+def test_gpus_adds_the_shared_pool_on_every_gpu_at_once(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvconnector.bench import shared_pool_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # two stand-in processes
+    block = 640 << 10  # llama-3.1-70b-tp8, bf16
+    monkeypatch.setitem(shared_pool_gpus.SET_MAX_BYTES, "cpu", 6 * block)  # 6 blocks a set
+    monkeypatch.setitem(shared_pool_gpus.COPY_BYTES, "cpu", 4 << 20)
+    js = tmp_path / "bench.json"
+    assert main([*TINY, "--remote-security", "none", "--gpus", "0,1", "--json", str(js)]) == 0
+    out, err = capsys.readouterr()
+    assert "shared host pool on 2 GPUs at once" in out
+    assert "Raw pinned copies (4 MiB per GPU)" in out
+    assert "stand-in processes' rates are summing and hashing" in out
+    # two more units after the one-GPU shared pool row: the raw copies, then the block size
+    units = [line.split("] ")[1].split(" (")[0] for line in err.splitlines()
+             if line.startswith("[")]
+    at = units.index("2 GPUs: raw copies")
+    assert units[at - 1:at + 2] == ["llama-3.1-70b-tp8 bf16: shared pool", "2 GPUs: raw copies",
+                                    "2 GPUs: shared pool, 640 KiB blocks"], units
+    assert {line.split("]")[0] for line in err.splitlines() if line.startswith("[")} == {
+        f"[{k}/{len(units)}" for k in range(1, len(units) + 1)}  # counted among the units
+    record = json.loads(js.read_text())
+    assert "--gpus 0,1" in record["meta"]["command"]
+    every = record["shared_pool"]["every_gpu"]
+    assert every["gpus"] == [0, 1] and len(every["ceilings"]["alone"]) == 2
+    (row,) = every["rows"]
+    assert (row["block_bytes"], row["blocks"], row["gpus"]) == (block, 6, [0, 1])
+    rounds = 2  # one warm-up and one timed round per phase
+    for engine in row["engines"]:
+        assert engine["load_bytes_compared"] == 2 * rounds * 6 * block
+        assert engine["store_bytes_compared"] == 2 * rounds * 6 * block
+        assert (engine["load_mismatches"], engine["store_mismatches"]) == (0, 0)
+    assert set(row["ratios"]) == {"load", "store", "both", "both_load", "both_store"}
+
+
 def test_the_default_is_one_preset_both_layouts_and_one_remote_mode(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -199,6 +236,8 @@ def test_explicit_shape_and_block_sizes(capsys: pytest.CaptureFixture[str]) -> N
     (["--layers", "4"], "needs --layers, --kv-heads and --head-size"),
     (["--block-size", "0"], "--block-size must be a positive integer"),
     (["--remote-security", "tls"], "unknown --remote-security 'tls'"),
+    (["--gpus", "0,0"], "distinct indices"),
+    (["--gpus", "5"], "--gpus 5 names one GPU"),
     (["--preset", "qwen3-32b", "--layers", "4", "--kv-heads", "1", "--head-size", "64"],
      "not both"),
 ])
