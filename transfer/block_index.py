@@ -362,7 +362,12 @@ class BlockIndex:
     def _checked_keys(self, keys: Sequence[bytes], unique: bool = True) -> list[bytes]:
         if isinstance(keys, bytes | str):
             raise ValueError(f"expected a sequence of keys, got one value {keys!r}")
-        checked = [self._checked(key) for key in keys]
+        checked = list(keys)
+        digest = self._digest
+        if not all(type(key) is bytes and len(key) > DIGEST_BYTES
+                   and (digest is None or key.startswith(digest)) for key in checked):
+            for key in checked:  # one pass without a call a key; this one names the bad key
+                self._checked(key)
         if unique and len(set(checked)) != len(checked):
             seen: set[bytes] = set()
             for key in checked:
