@@ -38,6 +38,7 @@ from kvconnector.bench.ceilings import CeilingMeter
 from kvconnector.bench.runner import allocate_arenas
 from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
 from kvconnector.bench.shared_pool_gpus import (
+    blocks_per_set,
     format_tables,
     measure_every_gpu,
     mismatched_blocks_in,
@@ -121,10 +122,11 @@ def _every_gpu(args: argparse.Namespace, gpus: list[int], device_type: str,
     """One engine process per GPU, all at once; the tables last; 1 where a byte mismatched."""
     sizes = [parse_size(s) for s in args.block_sizes.split(",")]
     try:
-        result = measure_every_gpu(gpus, device_type, sizes, args.repeats,
-                                   lambda what: print(f"measuring {what}", flush=True))
-    except ValueError as exc:  # no room in /dev/shm: said before anything ran
+        blocks_per_set(sizes, len(gpus), device_type)
+    except ValueError as exc:  # said before anything runs
         raise SystemExit(str(exc)) from None
+    result = measure_every_gpu(gpus, device_type, sizes, args.repeats,
+                               lambda what: print(f"measuring {what}", flush=True))
     ceilings, rows = result["ceilings"], result["rows"]
     raw = ceilings["aggregate"]
     print(f"raw copies on {len(gpus)} GPUs at once: load {raw['h2d_gbps']:.2f} GB/s, "

@@ -222,6 +222,18 @@ def _gpus(args: argparse.Namespace, cases: list[Any], cuda: bool) -> list[int] |
     return gpus
 
 
+def _every_gpu(gpus: list[int], device_type: str, sizes: list[int], repeats: int,
+               step: Any) -> dict[str, Any]:
+    """measure_every_gpu, or {"error": why}: a failure there is a finding, and the figures
+    already measured are still reported and written."""
+    from kvconnector.bench.shared_pool_gpus import measure_every_gpu  # CUDA-side modules
+
+    try:
+        return measure_every_gpu(gpus, device_type, sizes, repeats, step)
+    except Exception as exc:
+        return {"gpus": gpus, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _pool_sizes(cases: list[Any], pool_block_bytes: Any) -> list[int]:
     """The cases' distinct block sizes in a pool, in their order."""
     return list(dict.fromkeys(pool_block_bytes(case) for case in cases))
@@ -299,7 +311,8 @@ def _run_disk(args: argparse.Namespace) -> int:
     from kvconnector.bench.disk import measure_disk, print_disk
     from transfer.disk.io import DEFAULT_THREADS
 
-    for flag, value in (("--plot", args.plot), ("--redis-url", args.redis_url)):
+    for flag, value in (("--plot", args.plot), ("--redis-url", args.redis_url),
+                        ("--gpus", args.gpus)):
         if value is not None:
             raise BenchError(f"{flag} is not measured with --disk, which measures the disk tier "
                              f"alone: run them apart")
@@ -372,7 +385,6 @@ def _run(args: argparse.Namespace) -> int:
     from kvconnector.bench.report import LAYOUT_LABELS
     from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
     from kvconnector.bench.shared_pool import measure_shared, pool_block_bytes, shared_steps
-    from kvconnector.bench.shared_pool_gpus import measure_every_gpu
 
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
@@ -427,15 +439,16 @@ def _run(args: argparse.Namespace) -> int:
                 meter.close()
             results = [run.as_dict(ceilings) for run in runs]
             shared = measure_shared(plan, ceilings, device, args.repeats, progress.next)
-            if gpus is not None:
-                shared["every_gpu"] = measure_every_gpu(
-                    gpus, device.type, _pool_sizes(cases, pool_block_bytes), args.repeats,
-                    progress.next)
             remote = measure_remote(plan, arenas.host, budget, args.repeats, progress.next,
                                     securities)
             redis = None if redis_auth is None else measure_redis(
                 plan, arenas.host, budget, args.repeats, progress.next, args.redis_url,
                 redis_auth)
+            if gpus is not None:
+                arenas.close()  # their memory back before an engine starts on every GPU
+                shared["every_gpu"] = _every_gpu(gpus, device.type,
+                                                 _pool_sizes(cases, pool_block_bytes),
+                                                 args.repeats, progress.next)
         mover_name = results[0]["mover"] if results else ""
         baseline_name = results[0]["baseline"] if results else ""
         record = {
@@ -477,6 +490,6 @@ def _run(args: argparse.Namespace) -> int:
         _write(write_plot, record, "--plot", args.plot)
         out.print(f"wrote {args.plot}")
     every = shared.get("every_gpu")
-    if every is not None and mismatched_blocks_in(every["rows"]):
-        return 1  # a block came back unlike what was stored: the report says where
+    if every is not None and ("error" in every or mismatched_blocks_in(every["rows"])):
+        return 1  # it failed, or a block came back unlike what was stored: the report says
     return 0

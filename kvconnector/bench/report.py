@@ -216,6 +216,9 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
 
         console.print(f"\nshared host pool on {len(every['gpus'])} GPUs at once: one engine "
                       f"process per GPU, each storing and loading", highlight=False)
+        if "error" in every:
+            _print_lines([f"failed: {every['error']}"], console)
+            return
         _print_lines(format_tables(every["ceilings"], every["rows"]).splitlines(), console)
         _print_lines(every_gpu_verdicts(every, device_type), console)
 

@@ -595,10 +595,15 @@ def blocks_per_set(sizes: Sequence[int], num: int, device_type: str) -> list[int
     cannot hold three blocks a set of one of them."""
     blocks = [engine_blocks(size, num, device_type) for size in sizes]
     for size, n in zip(sizes, blocks, strict=True):
+        if size % 8:
+            raise ValueError(f"a block of {size} B: whole 8-byte words only")
+        if SET_MAX_BYTES[device_type] // size < 3:
+            raise ValueError(f"blocks of {size} B: a set holds at most "
+                             f"{SET_MAX_BYTES[device_type]} B here, under 3 blocks")
         if n < 3:
             raise ValueError(f"no room for 3 blocks of {size} B per set: {1 + 2 * num} sets in "
                              f"/dev/shm ({shm_free_bytes() >> 20} MiB free; docker: "
-                             f"--shm-size), each at most {SET_MAX_BYTES[device_type]} B")
+                             f"--shm-size)")
     return blocks
 
 
@@ -612,7 +617,7 @@ def measure_every_gpu(gpus: list[int], device_type: str, sizes: Sequence[int], r
         ceilings = measure_ceilings(workers, repeats)
         rows = []
         for size, n in zip(sizes, blocks, strict=True):
-            step(f"{len(gpus)} GPUs: shared pool, {size >> 10} KiB blocks")
+            step(f"{len(gpus)} GPUs: shared pool, {size} B blocks")
             row = measure_engines(workers, size, n, repeats)
             add_ratios(row, ceilings)
             rows.append(row)

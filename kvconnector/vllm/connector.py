@@ -17,10 +17,7 @@ the CacheHitSource the tier names.
 With `pool`, the host's shared pool (transfer.shared, `kvconnector pool serve`) replaces the
 private one: the scheduler's index is the daemon's, each worker maps the daemon's segment and
 copies into its rank's part of each slot; the tiers compose below it as below a private pool
-(the disk tier stays each engine's, each rank writing its part of the slots). On a GPU the
-scheduler declares its engine a row-sum reader: its workers check loads by the row sums a
-block is committed with, so a block another engine has just stored is a hit before its xxh3 is
-attached (a worker that could not set up those checks fails such a load, and vLLM recomputes).
+(the disk tier stays each engine's, each rank writing its part of the slots).
 
 Supported: KV cache groups of full attention (MLA included), sliding window attention and
 align-mode state (Mamba, short convolutions, linear attention), any TP/PP size, vLLM 0.32 and
@@ -60,7 +57,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvconnector.offload.admission import RequestLimits
 from kvconnector.offload.jobs import JobReport, StepJobs
-from kvconnector.offload.pool_checks import ROW_SUMS_DEVICES
 from kvconnector.offload.scheduler import POOL, OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
 from kvconnector.vllm.events import ConnectorEvents, events_enabled
@@ -158,9 +154,8 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             tiers, world_size = self._tiers, vllm_config.parallel_config.world_size
             index = self._pool_index = None
             if self.options.pool:
-                index = self._pool_index = SharedIndex(
-                    self.options.pool, tiers.namespace, tiers.slot_bytes * world_size,
-                    row_sum_reader=vllm_config.device_config.device_type in ROW_SUMS_DEVICES)
+                index = self._pool_index = SharedIndex(self.options.pool, tiers.namespace,
+                                                       tiers.slot_bytes * world_size)
             try:
                 planners = tiers.planners(vllm_config, self.options.eviction)
             except BaseException:

@@ -127,12 +127,10 @@ def test_gpus_adds_the_shared_pool_on_every_gpu_at_once(tmp_path: Path,
     assert "shared host pool on 2 GPUs at once" in out
     assert "Raw pinned copies (4 MiB per GPU)" in out
     assert "stand-in processes' rates are summing and hashing" in out
-    # two more units after the one-GPU shared pool row: the raw copies, then the block size
+    # two more units, last (the run's own buffers are freed first): the raw copies, the size
     units = [line.split("] ")[1].split(" (")[0] for line in err.splitlines()
              if line.startswith("[")]
-    at = units.index("2 GPUs: raw copies")
-    assert units[at - 1:at + 2] == ["llama-3.1-70b-tp8 bf16: shared pool", "2 GPUs: raw copies",
-                                    "2 GPUs: shared pool, 640 KiB blocks"], units
+    assert units[-2:] == ["2 GPUs: raw copies", f"2 GPUs: shared pool, {block} B blocks"], units
     assert {line.split("]")[0] for line in err.splitlines() if line.startswith("[")} == {
         f"[{k}/{len(units)}" for k in range(1, len(units) + 1)}  # counted among the units
     record = json.loads(js.read_text())
@@ -147,6 +145,35 @@ def test_gpus_adds_the_shared_pool_on_every_gpu_at_once(tmp_path: Path,
         assert engine["store_bytes_compared"] == 2 * rounds * 6 * block
         assert (engine["load_mismatches"], engine["store_mismatches"]) == (0, 0)
     assert set(row["ratios"]) == {"load", "store", "both", "both_load", "both_store"}
+
+
+def test_a_failure_on_every_gpu_is_reported_and_the_rest_still_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvconnector.bench import shared_pool_gpus
+
+    def fails(*_: object) -> None:
+        raise RuntimeError("engine 1 failed: blocks gone from the pool")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(shared_pool_gpus, "measure_every_gpu", fails)
+    js = tmp_path / "bench.json"
+    assert main([*TINY, "--remote-security", "none", "--gpus", "0,1", "--json", str(js)]) == 1
+    out = capsys.readouterr().out
+    assert "failed: RuntimeError: engine 1 failed: blocks gone from the pool" in out
+    record = json.loads(js.read_text())
+    assert record["shared_pool"]["every_gpu"] == {
+        "gpus": [0, 1], "error": "RuntimeError: engine 1 failed: blocks gone from the pool"}
+    assert record["cases"] and record["remote"]  # what was measured before is kept
+
+
+def test_gpus_refuses_blocks_a_set_cannot_hold_three_of(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # sets of 16 MiB
+    argv = ["bench", "--preset", "qwen3-32b", "--block-size", "128", "--gpus", "0,1"]
+    assert exit_code(argv) == 2  # 32 MiB blocks
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "blocks of 33554432 B: a set holds at most 16777216 B" in err
 
 
 def test_the_default_is_one_preset_both_layouts_and_one_remote_mode(

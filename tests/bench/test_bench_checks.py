@@ -64,7 +64,7 @@ def test_the_same_file_for_json_and_plot_is_refused(tmp_path: Path, no_measuring
 def test_disk_mode_refuses_what_it_would_not_measure(tmp_path: Path, no_measuring: None,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     for extra in (["--plot", str(tmp_path / "disk.png")],
-                  ["--redis-url", "redis://127.0.0.1:7000"]):
+                  ["--redis-url", "redis://127.0.0.1:7000"], ["--gpus", "0,1"]):
         assert exit_code(["bench", "--disk", str(tmp_path), *extra]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{extra[0]} is not measured with --disk" in err
