@@ -45,8 +45,6 @@ class Namespace:
 
     def keys(self, block_hashes: list[bytes] | list[int]) -> list[bytes]:
         digest = self.digest
-        if all(type(h) is bytes for h in block_hashes):  # vLLM's: no conversion per key
-            return [digest + h for h in block_hashes]
         return [digest + block_hash_bytes(h) for h in block_hashes]
 
     def owns(self, key: bytes) -> bool:
@@ -54,6 +52,8 @@ class Namespace:
 
 
 def block_hash_bytes(block_hash: bytes | int) -> bytes:
+    if type(block_hash) is bytes:  # vLLM's hashes: no union isinstance on the per-key path
+        return block_hash
     if isinstance(block_hash, bytes | bytearray | memoryview):
         return bytes(block_hash)
     if isinstance(block_hash, int) and not isinstance(block_hash, bool):

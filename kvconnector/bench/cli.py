@@ -204,11 +204,10 @@ def _budget(args: argparse.Namespace, device: torch.device) -> int:
     return budget
 
 
-def _gpus(args: argparse.Namespace, cases: list[Any], cuda: bool) -> list[int] | None:
-    """`--gpus` resolved, and room in /dev/shm for its pool checked, before anything runs."""
+def _gpus(args: argparse.Namespace, sizes: list[int], cuda: bool) -> list[int] | None:
+    """`--gpus` resolved, and room for a pool of `sizes` checked, before anything runs."""
     if args.gpus is None:
         return None
-    from kvconnector.bench.shared_pool import pool_block_bytes
     from kvconnector.bench.shared_pool_gpus import blocks_per_set, resolve_gpus
 
     try:
@@ -216,7 +215,7 @@ def _gpus(args: argparse.Namespace, cases: list[Any], cuda: bool) -> list[int] |
         if len(gpus) < 2:
             raise ValueError(f"--gpus {args.gpus} names one GPU: the shared pool on one GPU is "
                              f"measured anyway; give two or more")
-        blocks_per_set(_pool_sizes(cases, pool_block_bytes), len(gpus), "cuda" if cuda else "cpu")
+        blocks_per_set(sizes, len(gpus), "cuda" if cuda else "cpu")
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     return gpus
@@ -234,8 +233,10 @@ def _every_gpu(gpus: list[int], device_type: str, sizes: list[int], repeats: int
         return {"gpus": gpus, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _pool_sizes(cases: list[Any], pool_block_bytes: Any) -> list[int]:
+def _pool_sizes(cases: list[Any]) -> list[int]:
     """The cases' distinct block sizes in a pool, in their order."""
+    from kvconnector.bench.shared_pool import pool_block_bytes  # the transfer engine's modules
+
     return list(dict.fromkeys(pool_block_bytes(case) for case in cases))
 
 
@@ -370,7 +371,8 @@ def _run(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     _check_extras(args, cuda)
     redis_auth = _redis_auth(args)
-    gpus = _gpus(args, cases, cuda)
+    pool_sizes = _pool_sizes(cases) if args.gpus is not None else []
+    gpus = _gpus(args, pool_sizes, cuda)
     device = torch.device("cuda" if cuda else "cpu")
     budget = _budget(args, device)
     _check_outputs(args)
@@ -384,7 +386,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvconnector.bench.remote import measure_remote, remote_steps
     from kvconnector.bench.report import LAYOUT_LABELS
     from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
-    from kvconnector.bench.shared_pool import measure_shared, pool_block_bytes, shared_steps
+    from kvconnector.bench.shared_pool import measure_shared, shared_steps
 
     out, err = Console(), Console(stderr=True)
     if not out.is_terminal:  # a file or a pipe: the record's table, not wrapped at 80 columns
@@ -420,7 +422,7 @@ def _run(args: argparse.Namespace) -> int:
         if redis_auth is not None:
             units += redis_steps(len(plan))
         if gpus is not None:  # the raw copies, then each block size
-            units += 1 + len(_pool_sizes(cases, pool_block_bytes))
+            units += 1 + len(pool_sizes)
         with BenchProgress(err, units) as progress:
             meter = CeilingMeter(arenas.device, arenas.host, args.repeats)
             try:
@@ -446,9 +448,8 @@ def _run(args: argparse.Namespace) -> int:
                 redis_auth)
             if gpus is not None:
                 arenas.close()  # their memory back before an engine starts on every GPU
-                shared["every_gpu"] = _every_gpu(gpus, device.type,
-                                                 _pool_sizes(cases, pool_block_bytes),
-                                                 args.repeats, progress.next)
+                shared["every_gpu"] = _every_gpu(gpus, device.type, pool_sizes, args.repeats,
+                                                 progress.next)
         mover_name = results[0]["mover"] if results else ""
         baseline_name = results[0]["baseline"] if results else ""
         record = {

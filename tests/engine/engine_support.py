@@ -232,16 +232,3 @@ def corrupt_pools(llm: LLM) -> int:
 def scheduler_connector(llm: LLM) -> CrossLayerOffloadConnector:
     """The scheduler-side connector of an in-process engine core."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
-
-
-def pool_stats(pool_name: str) -> dict[str, Any]:
-    """A shared pool daemon's counters, through a connection of its own (any namespace will do)."""
-    from transfer.keys import Namespace
-    from transfer.shared import protocol
-    from transfer.shared.client import PoolClient
-
-    client = PoolClient(pool_name, [Namespace("probe", "uint8", 1, "")], 1)
-    try:
-        return client.request(protocol.STATS)
-    finally:
-        client.close()

@@ -20,6 +20,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
 from engine_support import (
@@ -30,14 +31,16 @@ from engine_support import (
     counters,
     generate,
     on_gpu,
-    pool_stats,
     running_llm,
     settle,
 )
 from tiny_llama import prompt_ids
 
 from kvconnector.servers.pool import PoolProcess
+from transfer.keys import Namespace
 from transfer.pool import HostPool
+from transfer.shared import protocol
+from transfer.shared.client import PoolClient
 
 pytestmark = pytest.mark.engine
 
@@ -56,6 +59,15 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolProcess]:
         yield process
 
 
+def pool_stats(pool: PoolProcess) -> dict[str, Any]:
+    """The daemon's counters, through a connection of its own (any namespace will do)."""
+    client = PoolClient(pool.name, [Namespace("probe", "uint8", 1, "")], 1)
+    try:
+        return client.request(protocol.STATS)
+    finally:
+        client.close()
+
+
 def expect_loaded(got: Generation, gained: dict[str, float]) -> None:
     """STORED_TOKENS came from the pool: vLLM's counters and the connector's (what they
     `gained` over the request) agree."""
@@ -70,7 +82,7 @@ def expect_loaded(got: Generation, gained: dict[str, float]) -> None:
 def corrupt_slots(pool: PoolProcess) -> int:
     """Flip one byte of every slot through the shared segment (the daemon's index still lists
     the blocks); returns the slots written."""
-    segment = pool_stats(pool.name)["segment"]
+    segment = pool_stats(pool)["segment"]
     shm = HostPool.attach(segment, pinned=False)
     try:
         shm.slots[:, 7] ^= 0x5A
@@ -86,8 +98,9 @@ def second_gpu() -> str | None:
 
     if not on_gpu() or torch.cuda.device_count() < 2:
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # B names it in the same terms
-    return visible.split(",")[1].strip() if visible else "1"
+    from kvconnector.bench.shared_pool_gpus import visible_name
+
+    return visible_name(1)  # in CUDA_VISIBLE_DEVICES' terms, as B sets it
 
 
 def second_engine(model_dir: str, pool_name: str, gpu: str | None, conn: Connection) -> None:
@@ -140,7 +153,7 @@ def test_engines_share_the_pool_and_a_restarted_engine_is_served_from_it(
         reference = generate(first, FIRST)
         assert reference.num_cached_tokens == STORED_TOKENS, reference
         settle(first)  # stored in the pool; A's own prefix cache emptied
-        assert pool_stats(pool.name)["stored"] == STORED_BLOCKS
+        assert pool_stats(pool)["stored"] == STORED_BLOCKS
         got, gained, own = run_second_engine(tiny_model, pool.name)  # while A runs
         assert got.same_output(reference), (reference, got)
         expect_loaded(got, gained)
@@ -151,7 +164,7 @@ def test_engines_share_the_pool_and_a_restarted_engine_is_served_from_it(
         assert served.same_output(own), (own, served)
         expect_loaded(served, counted(first, before))
         settle(first)
-    assert pool_stats(pool.name)["stored"] == 2 * STORED_BLOCKS
+    assert pool_stats(pool)["stored"] == 2 * STORED_BLOCKS
     with running_llm(tiny_model, extra) as restarted:
         before = counters(restarted)
         again = generate(restarted, FIRST)
