@@ -36,7 +36,7 @@ import torch
 
 from kvconnector.bench.ceilings import CeilingMeter
 from kvconnector.bench.runner import allocate_arenas
-from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, measure_one
+from kvconnector.bench.shared_pool import SHARED_MAX_BYTES, add_ratios, measure_one
 from kvconnector.bench.shared_pool_gpus import (
     blocks_per_set,
     format_tables,
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-sizes", default="2MiB,4MiB",
                         help="comma-separated block sizes (default 2MiB,4MiB)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed loads per size (median)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed loads and stores per size (median)")
     parser.add_argument("--json", type=Path, help="write the record here")
     parser.add_argument("--gpus", help="GPUs storing and loading at once, one engine process "
                         "each: 'all' or indices such as 0,1,2,3 (default: one GPU, the run above)")
@@ -94,14 +95,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"/dev/shm has {shm_free_bytes() >> 20} MiB free: no room for "
                              f"three sets of {size} B blocks (docker: --shm-size)")
         row = measure_one(size, n, device, args.repeats)
-        row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
-        row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / ceilings.h2d_gbps
-        row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
+        add_ratios(row, ceilings)
         rows.append(row)
         print(f"block {size >> 10} KiB x {n}: load {row['load_gbps']:.2f} GB/s "
               f"({row['load_ratio']:.3f} of the one-way ceiling); both at once "
               f"{row['bidir_gbps']:.2f} GB/s ({row['bidir_ratio']:.3f} of bidirectional); "
-              f"writer store committed by row sums {row['store_gbps']:.2f} GB/s (its xxh3s "
+              f"writer store committed by row sums {row['store_gbps']:.2f} GB/s "
+              f"({row['store_ratio']:.3f} of the store ceiling; its xxh3s "
               f"attached {row['late_hash_s'] * 1e3:.0f} ms after the last commit, "
               f"{row['late_hash_gbps']:.2f} GB/s from the store's start); load checked by xxh3 "
               f"{row['xxh3_load_gbps']:.2f} GB/s ({row['xxh3_load_ratio']:.3f}) "

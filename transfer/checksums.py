@@ -14,6 +14,12 @@ def block_checksum(block: Any, key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(block, seed=xxhash.xxh3_64_intdigest(key))
 
 
+def block_hasher(key: bytes) -> Any:
+    """A streaming xxh3-64 of a block bound to `key`: `update` it with the block's bytes in
+    order, and its `intdigest()` is `block_checksum(block, key)`."""
+    return xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(key))
+
+
 def block_sums(by_rank: list[list[int | None]], blocks: int) -> list[list[int | None]] | None:
     """A commit's checksums, per block, from each rank's list: the xxh3-64 of every rank's part
     (its first `blocks` entries; None where the rank commits by row sums only and hashes later),

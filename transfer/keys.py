@@ -8,6 +8,7 @@ index, the pool and the remote store handle is `namespace digest (16 B) + block 
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
+from functools import cached_property
 
 import msgpack
 import xxhash
@@ -35,8 +36,8 @@ class Namespace:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank!r} out of range for tp_size {self.tp_size!r}")
 
-    @property
-    def digest(self) -> bytes:
+    @cached_property
+    def digest(self) -> bytes:  # once: every key of the namespace starts with it
         return xxhash.xxh3_128_digest(msgpack.packb(astuple(self)))
 
     def key(self, block_hash: bytes | int) -> bytes:

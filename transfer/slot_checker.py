@@ -6,10 +6,10 @@ bad page), so every block carries the xxh3-64 its writer took, bound to its key
 it (`SlotChecker.verify`; kvconnector/offload/checked_loads.py). Writers hash their parts once
 the store copy is done (`SlotChecker.hash`), so the daemon's loop never hashes. A GPU writer
 commits by the row sums its copy took and hashes after the commit (`SlotChecker.hash_checked`):
-each slot is copied aside, its row sum taken again there (transfer/copy/row_sums.py, on the
-host) and compared with the committed one, and only a copy that matches is hashed, so an xxh3
-is never taken of bytes other than those committed (a slot written since, or reused after an
-eviction, gets none).
+each slot is copied aside a piece at a time, its row sum taken again there (by numpy on the
+checker's thread: transfer/copy/row_sums.py host_piece_sum) and compared with the committed
+one, and only a copy that matches is hashed, so an xxh3 is never taken of bytes other than
+those committed (a slot written since, or reused after an eviction, gets none).
 
 Checks run on `threads` threads (xxhash releases the GIL for blocks over 64 KiB, so they hash
 in parallel); a reader checks a load in chunks, copying one while the next ones are checked, so
@@ -26,10 +26,15 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from transfer.checksums import block_checksum
-from transfer.copy.row_sums import row_sums, to_unsigned
+from transfer.checksums import block_checksum, block_hasher
+from transfer.copy.row_sums import coefficient_array, host_piece_sum
 
 MAX_THREADS = 8
+# A slot is checked and hashed after its commit this much at a time (transfer/copy/row_sums.py
+# host_piece_sum): the piece and its sum's terms stay in a core's cache, and xxhash releases
+# the GIL for an update over 64 KiB.
+HASH_PIECE_BYTES = 256 << 10
+_MASK = (1 << 64) - 1
 T = TypeVar("T")
 
 
@@ -112,14 +117,23 @@ def _hash_part(array: np.ndarray, slots: list[int], keys: list[bytes]) -> list[i
 
 def _hash_checked_part(array: np.ndarray, slots: list[int], keys: list[bytes],
                        sums: list[int]) -> list[int | None]:
-    """Each slot copied aside, then hashed where the copy's row sum is the committed one."""
-    aside = np.empty(array.shape[1], dtype=np.uint8)
-    row = torch.from_numpy(aside).view(1, -1)
+    """Each slot read a piece at a time into a buffer of this thread's, the piece summed and
+    hashed there (both checksums of the same bytes, whatever the slot does meanwhile); a slot's
+    xxh3 where its row sum is the committed one. The piece stays in cache, so the slot is read
+    from memory once: this runs beside the DMA of the stores, which shares the host's memory."""
+    width = array.shape[1]
+    coef = coefficient_array(width // 4)
+    piece = np.empty(min(width, HASH_PIECE_BYTES), dtype=np.uint8)
+    terms = np.empty(len(piece) // 4, dtype=np.uint64)
     out: list[int | None] = []
     for slot, key, expected in zip(slots, keys, sums, strict=True):
-        np.copyto(aside, array[slot])  # both checksums of the same bytes, whatever the slot does
-        matched = to_unsigned(row_sums(row).numpy())[0] == expected
-        out.append(block_checksum(aside, key) if matched else None)
+        hasher, total = block_hasher(key), 0
+        for start in range(0, width, len(piece)):
+            part = piece[:min(len(piece), width - start)]
+            np.copyto(part, array[slot, start:start + len(part)])
+            total += host_piece_sum(part, coef[start // 4:], terms)
+            hasher.update(part)
+        out.append(hasher.intdigest() if total & _MASK == expected else None)
     return out
 
 

@@ -96,6 +96,7 @@ def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
         return lines
     lines = [f"verdicts against the same-run pinned copies, the PCIe limit; {SCALE}:"]
     lines += [f"  {row['case']}: {judged('load', row['load_ratio'])}, "
+              f"{judged('writer store', row['store_ratio'])}, "
               f"{judged('load by xxh3', row['xxh3_load_ratio'])}, "
               f"{judged('both', row['bidir_ratio'])}" for row in rows]
     return lines
@@ -189,7 +190,8 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
         return
     st = Table(title="shared host pool: blocks another process stored, loaded into this "
                      "process's cache straight from the pool's slots",
-               caption="load GB/s (ratio of the same-run one-way ceiling), checked by row sums "
+               caption="writer store GB/s, committed by row sums (ratio of the same-run store "
+                       "ceiling); load GB/s (ratio of the one-way ceiling), checked by row sums "
                        "on the way (what GPU engines do) and by xxh3 on threads (blocks without "
                        "row sums); both: the writer "
                        "storing while this process loads (ratio of the bidirectional ceiling); "
@@ -204,7 +206,8 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
                        "")
             continue
         st.add_row(row["case"], format_bytes(row["block_bytes"]), str(row["blocks"]),
-                   f"{row['store_gbps']:.2f}", f"{row['load_gbps']:.2f} ({row['load_ratio']:.2f})",
+                   f"{row['store_gbps']:.2f} ({row['store_ratio']:.2f})",
+                   f"{row['load_gbps']:.2f} ({row['load_ratio']:.2f})",
                    f"{row['xxh3_load_gbps']:.2f} ({row['xxh3_load_ratio']:.2f})",
                    f"{row['bidir_gbps']:.2f} ({row['bidir_ratio']:.2f})",
                    f"{row['load_meta_us']:.2f}", f"{row['store_meta_us']:.2f}")

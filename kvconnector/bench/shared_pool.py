@@ -7,13 +7,15 @@ by DMA, straight from the shared slots, each block only once its checksum matche
 does: by its row sums, checked on the way by the copy engine (transfer/copy/row_sums.py: staged,
 summed and copied on by the GPU; `load_gbps`), and, as for blocks that carry no row sums, by
 xxh3 on the checker threads (kvconnector/offload/checked_loads.py; `xxh3_load_gbps`). The writer
-stores a set as WRITER_JOBS jobs, as an engine stores one job per request, each summed by its
-copy engine and committed by those row sums as soon as it is copied, while the next ones copy:
-its store time runs until every block is committed (`store_gbps`). Its xxh3s are taken after,
-as an engine's worker takes them (off the store's path, each slot checked against its committed
-row sums first: SlotChecker.hash_checked) and attached (`add_sums`): `late_hash_s` is how long
-after the last commit the last xxh3 was attached, `late_hash_gbps` the set's bytes over the time
-from the store's start to then.
+stores as an engine does (`store_blocks`): WRITER_JOBS jobs per set (an engine stores one job
+per request), each summed by its copy engine and committed by those row sums as soon as it is
+copied, while the next ones copy; a store's time runs until every block is committed
+(`store_gbps`: the median of `repeats` rounds of n new blocks placed beforehand, after one
+warm-up). Its xxh3s are taken from each commit on, as an engine's worker takes them (off the
+store's path, each slot checked against its committed row sums first:
+SlotChecker.hash_checked) and attached (`add_sums`): `late_hash_s` is how long after the last
+commit the last xxh3 was attached, `late_hash_gbps` the set's bytes over the time from the
+store's start to then.
 Rates are held against the same-run ceilings: the loads against the one-way host -> device
 copy; both directions at once (the writer storing a second set while this process loads the
 first, by row sums) against the bidirectional ceiling. Metadata cost per block: lookup + pin +
@@ -40,6 +42,7 @@ from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import TransferJob
 from kvconnector.servers.pool import PoolProcess
+from transfer.block_index import StorePlan
 from transfer.checksums import hashed
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
@@ -49,6 +52,7 @@ from transfer.slot_checker import SlotChecker
 
 SHARED_MAX_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}  # per set of blocks
 WRITER_JOBS = 8  # the writer's store of a set, as jobs (an engine stores one per request)
+_ROUNDS = 10  # key batches of the writer's timed store rounds: 10, 11, ...
 _TIMEOUT_S = 300.0
 
 
@@ -81,11 +85,18 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
             row = {"error": f"{type(exc).__name__}: {exc}"}
         row["case"] = case.name
         if "load_gbps" in row:
-            row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
-            row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / ceilings.h2d_gbps
-            row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
+            add_ratios(row, ceilings)
         rows.append(row)
     return {"rows": rows}
+
+
+def add_ratios(row: dict[str, Any], ceilings: Any) -> None:
+    """A row's rates against the same run's ceilings: loads one way, the writer's stores the
+    other, both at once against the bidirectional ceiling."""
+    row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
+    row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / ceilings.h2d_gbps
+    row["store_ratio"] = row["store_gbps"] / ceilings.d2h_gbps
+    row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
 
 
 def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) -> dict[str, Any]:
@@ -98,15 +109,15 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             PoolProcess(Path(tmp) / "pool.log", name, capacity=str(3 * n * stride),
                         slot_bytes=str(block_bytes)):
         ours, theirs = ctx.Pipe()
-        writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), theirs),
-                             daemon=True)
+        writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), repeats,
+                                                   theirs), daemon=True)
         writer.start()
         # it loads by row sums (the blocks' xxh3s: once the writer attached them, checked below)
         index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True)
         checker = SlotChecker()
         pool = cache = engine = None
         try:
-            store_s, late_s, hashed_s = _answer(ours)  # the writer stored and hashed set 0
+            store_s, late_s, hashed_s = _answer(ours)  # set 0 stored, its rounds timed
             keys = [_key(namespace, 0, i) for i in range(n)]
             pool = HostPool.attach(index.segment, pinned=device.type == "cuda")
             cache = allocate_slots(n, block_bytes, device=device)
@@ -223,6 +234,40 @@ def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: i
     return statistics.median(samples[1:])
 
 
+def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
+                 index: SharedIndex, keys: list[bytes], ids: list[int], slots: list[int],
+                 job_base: int, committed: Callable[[], None] = lambda: None) -> None:
+    """Store as an engine's worker does: WRITER_JOBS jobs (an engine stores one per request),
+    each committed by its row sums as soon as it is copied, while the next ones copy;
+    `committed()` once every commit is applied (readable); each job's xxh3s, taken off the
+    store's path from its commit on (each slot checked against its committed row sums first:
+    SlotChecker.hash_checked), are attached after."""
+    step = -(-len(keys) // WRITER_JOBS)
+    parts = [slice(i, i + step) for i in range(0, len(keys), step)]
+    for j, part in enumerate(parts):
+        engine.submit_store(job_base + j, ids[part], slots[part], sums=True)
+    later, sums_of_rows, finished = [], [], {}
+    for j, part in enumerate(parts):
+        engine.wait([job_base + j])
+        finished.update((res.job_id, res) for res in engine.get_finished())
+        result = finished.pop(job_base + j)
+        if not result.ok or len(result.sums) != len(keys[part]):
+            raise RuntimeError(f"store job {result.job_id} failed: {result}")
+        index.complete_store(keys[part], True, [[None, r] for r in result.sums])
+        sums_of_rows.append(list(result.sums))
+        later.append(checker.hash_checked(pool.slots, slots[part], keys[part], result.sums))
+    index.pool_stats()  # every commit applied: readable
+    committed()
+    for part, future, rows in zip(parts, later, sums_of_rows, strict=True):
+        xxh3s = future.result()
+        if None in xxh3s:
+            raise RuntimeError("a slot changed between its commit and its hash")
+        attached = index.add_sums(keys[part], [[x, r] for x, r in zip(xxh3s, rows, strict=True)],
+                                  slots[part])
+        if not all(attached):
+            raise RuntimeError("the pool refused a block's xxh3")
+
+
 def _key(namespace: Namespace, batch: int, i: int) -> bytes:
     return namespace.key(batch * 1_000_000 + i)
 
@@ -236,10 +281,12 @@ def _answer(conn: Connection) -> Any:
     return answer
 
 
-def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) -> None:
-    """Another engine: store set 0 (answer the seconds to commit it, from the last commit to
-    the last xxh3 attached, and from the store's start to then), then on "go" set 1 (answer
-    when it began and was committed; its xxh3s follow)."""
+def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
+            conn: Connection) -> None:
+    """Another engine: store set 0 (untimed: the loads' blocks), then `repeats` + 1 rounds of n
+    new blocks, each dropped once stored (the first round warms up), and answer their medians
+    (`_store_rounds`); then on "go" store set 1 (answer when it began and was committed; its
+    xxh3s follow)."""
     try:
         namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
         index = SharedIndex(name, namespace, block_bytes)
@@ -251,51 +298,25 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
         engine = TransferEngine(pool.segments([cache.rows()]))
         checker = SlotChecker()
         ids = torch.randperm(n).tolist()
-        for batch in (0, 1):
-            keys = [_key(namespace, batch, i) for i in range(n)]
-            plan = index.prepare_store(keys)
+
+        def prepared(batch: int) -> StorePlan:
+            plan = index.prepare_store([_key(namespace, batch, i) for i in range(n)])
             if len(plan.keys) != n:
                 raise RuntimeError(f"only {len(plan.keys)} of {n} blocks found a slot")
-            if batch == 0:  # untimed: the copy engine's first sums load their GPU kernels
-                engine.submit_store(-1, ids[:1], plan.slots[:1], sums=True)
-                engine.wait()
-                engine.get_finished()
-            if batch == 1 and conn.recv() != "go":
-                return
-            # As an engine's worker stores: one job per request (here WRITER_JOBS), each
-            # committed by its row sums once copied, while the next ones copy; timed until
-            # every block is committed. Each job's xxh3s are taken after its commit.
-            parts = [slice(i, i + -(-n // WRITER_JOBS)) for i in range(0, n, -(-n // WRITER_JOBS))]
-            t0, w0 = time.perf_counter(), time.time()
-            for j, part in enumerate(parts):
-                engine.submit_store(2 * j + batch, ids[part], plan.slots[part], sums=True)
-            later, committed, finished = [], [], {}
-            for j, part in enumerate(parts):
-                engine.wait([2 * j + batch])
-                finished.update((res.job_id, res) for res in engine.get_finished())
-                result = finished.pop(2 * j + batch)
-                if not result.ok or len(result.sums) != len(keys[part]):
-                    raise RuntimeError(f"store job {result.job_id} failed: {result}")
-                index.complete_store(keys[part], True, [[None, r] for r in result.sums])
-                committed.append(list(result.sums))
-                later.append(checker.hash_checked(pool.slots, plan.slots[part], keys[part],
-                                                  result.sums))
-            index.pool_stats()  # every commit applied: readable
-            t1, w1 = time.perf_counter(), time.time()
-            if batch == 1:
-                conn.send((w0, w1))
-            for part, future, rows in zip(parts, later, committed, strict=True):
-                xxh3s = future.result()
-                if None in xxh3s:
-                    raise RuntimeError("a slot changed between its commit and its hash")
-                attached = index.add_sums(keys[part], [[x, r] for x, r in zip(xxh3s, rows,
-                                                                              strict=True)],
-                                          plan.slots[part])
-                if not all(attached):
-                    raise RuntimeError("the pool refused a block's xxh3")
-            t2 = time.perf_counter()
-            if batch == 0:
-                conn.send((t1 - t0, t2 - t1, t2 - t0))
+            return plan
+
+        def store(plan: StorePlan, job_base: int,
+                  committed: Callable[[], None] = lambda: None) -> None:
+            store_blocks(engine, checker, pool, index, plan.keys, ids, plan.slots, job_base,
+                         committed)
+
+        store(prepared(0), 0)
+        conn.send(_store_rounds(prepared, store, index, repeats))
+        plan = prepared(1)
+        if conn.recv() != "go":
+            return
+        w0 = time.time()
+        store(plan, WRITER_JOBS, lambda: conn.send((w0, time.time())))
         conn.recv()
         checker.close()
         engine.close()
@@ -304,3 +325,24 @@ def _writer(name: str, block_bytes: int, n: int, device: str, conn: Connection) 
         index.close()
     except Exception as exc:
         conn.send(f"error {type(exc).__name__}: {exc}")
+
+
+def _store_rounds(prepared: Callable[[int], StorePlan],
+                  store: Callable[[StorePlan, int, Callable[[], None]], None],
+                  index: SharedIndex, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a store's timed rounds (after one warm-up), each of n new keys placed
+    beforehand (their metadata is `store_meta_us`): to commit every block, from the last commit
+    to the last xxh3 attached, and from the store's start to then. Each round's blocks are
+    dropped after it, so the next one stores into the same slots."""
+    samples = []
+    for r in range(repeats + 1):
+        plan = prepared(_ROUNDS + r)
+        marks: list[float] = []
+        t0 = time.perf_counter()
+        store(plan, (2 + r) * WRITER_JOBS, lambda into=marks: into.append(time.perf_counter()))
+        t2 = time.perf_counter()
+        samples.append((marks[0] - t0, t2 - marks[0], t2 - t0))
+        index.discard(plan.keys)
+        index.pool_stats()  # dropped before the next round's slots are placed
+    return tuple(statistics.median(s[i] for s in samples[1:])  # type: ignore[return-value]
+                 for i in range(3))

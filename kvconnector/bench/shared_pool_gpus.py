@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from kvconnector.bench.ceilings import raw_copies
-from kvconnector.bench.shared_pool import WRITER_JOBS
+from kvconnector.bench.shared_pool import WRITER_JOBS, store_blocks
 from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.servers.pool import PoolProcess
 from transfer.engine import TransferEngine
@@ -328,39 +328,6 @@ def row_sums(block_sums: Sequence[Sequence[int | None]]) -> list[int]:
     if None in out:
         raise RuntimeError("a block to load carries no row sum")
     return [int(s or 0) for s in out]
-
-
-def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
-                 index: SharedIndex, keys: list[bytes], ids: list[int], slots: list[int],
-                 job_base: int, committed: Callable[[], None] = lambda: None) -> None:
-    """Store as kvconnector.bench.shared_pool's writer does: WRITER_JOBS jobs, each committed by
-    its row sums as soon as it is copied, while the next ones copy; `committed()` once every
-    commit is applied (readable); then each job's xxh3s, taken off the store's path (each slot
-    checked against its committed row sums first), are attached."""
-    step = -(-len(keys) // WRITER_JOBS)
-    parts = [slice(i, i + step) for i in range(0, len(keys), step)]
-    for j, part in enumerate(parts):
-        engine.submit_store(job_base + j, ids[part], slots[part], sums=True)
-    later, sums_of_rows, finished = [], [], {}
-    for j, part in enumerate(parts):
-        engine.wait([job_base + j])
-        finished.update((res.job_id, res) for res in engine.get_finished())
-        result = finished.pop(job_base + j)
-        if not result.ok or len(result.sums) != len(keys[part]):
-            raise RuntimeError(f"store job {result.job_id} failed: {result}")
-        index.complete_store(keys[part], True, [[None, r] for r in result.sums])
-        sums_of_rows.append(list(result.sums))
-        later.append(checker.hash_checked(pool.slots, slots[part], keys[part], result.sums))
-    index.pool_stats()  # every commit applied: readable
-    committed()
-    for part, future, rows in zip(parts, later, sums_of_rows, strict=True):
-        xxh3s = future.result()
-        if None in xxh3s:
-            raise RuntimeError("a slot changed between its commit and its hash")
-        attached = index.add_sums(keys[part], [[x, r] for x, r in zip(xxh3s, rows, strict=True)],
-                                  slots[part])
-        if not all(attached):
-            raise RuntimeError("the pool refused a block's xxh3")
 
 
 def load_blocks(engine: TransferEngine, job_id: int, slots: list[int], ids: list[int],

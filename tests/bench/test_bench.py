@@ -100,6 +100,7 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
         assert row["blocks"] >= 1 and row["load_gbps"] > 0 and row["bidir_gbps"] > 0
         assert row["xxh3_load_gbps"] > 0  # loaded again, checked by xxh3
         assert row["load_ratio"] > 0 and row["load_meta_us"] > 0 and row["store_meta_us"] > 0
+        assert row["store_gbps"] > 0 and row["store_ratio"] > 0 and row["late_hash_s"] >= 0
     assert "shared host pool" in out
     remote = record["remote"]
     assert [(row["case"], row["security"]) for row in remote["rows"]] == [

@@ -141,7 +141,8 @@ def record(device_type: str, both: float = 0.95) -> dict[str, Any]:
         "cases": [{"case": {"name": "case-a bf16", "block_bytes": 2 << 20}, "blocks": 8,
                    "layouts": {"block_major": layout, "layer_major": layout}}],
         "shared_pool": {"rows": [{"case": "case-a bf16", "block_bytes": 2 << 20, "blocks": 8,
-                                  "store_gbps": 0.1, "load_gbps": 0.1, "load_ratio": 0.02,
+                                  "store_gbps": 0.1, "store_ratio": 0.002, "load_gbps": 0.1,
+                                  "load_ratio": 0.02,
                                   "xxh3_load_gbps": 2.0, "xxh3_load_ratio": 0.4,
                                   "bidir_gbps": 0.2, "bidir_ratio": 0.03,
                                   "load_meta_us": 30.0, "store_meta_us": 80.0}]},
@@ -182,8 +183,8 @@ def test_gpu_verdicts_say_the_pcie_limit() -> None:
     out = printed(record("cuda"))
     assert "verdicts against the same-run pinned copies, the PCIe limit" in out
     assert "load 0.91 at, store 0.72 near, both 0.95 at" in out
-    assert ("  case-a bf16: load 0.02 well below, load by xxh3 0.40 well below, both 0.03 well "
-            "below") in out
+    assert ("  case-a bf16: load 0.02 well below, writer store 0.00 well below, load by xxh3 0.40 "
+            "well below, both 0.03 well below") in out
     assert "above 1" not in out and "not meaningful" not in out and "memory bandwidth" not in out
     lines = copy_verdicts(record("cuda", both=1.10))
     assert lines[-1].startswith("  above 1: the ceiling read low in every round")

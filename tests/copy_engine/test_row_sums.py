@@ -15,6 +15,7 @@ from transfer.copy.row_sums import (
     checked_copy,
     coefficient_array,
     coefficients,
+    host_piece_sum,
     row_sums,
     to_int64,
     to_unsigned,
@@ -130,6 +131,21 @@ def test_pieces_give_the_same_sums(monkeypatch: pytest.MonkeyPatch, piece_rows: 
 
 
 # -- sensitivity ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cuts", [(), (4,), (4, 8, 100), (252,)])
+def test_host_pieces_add_up_to_the_reference(cuts: tuple[int, ...]) -> None:
+    """host_piece_sum over any cut of a row into whole-word pieces, added mod 2^64, is the
+    row's sum; extreme words included (sign extension)."""
+    rows = torch.cat([random_rows(3, 256, 7), torch.tensor([[0xFF] * 256, [0x00, 0x00, 0x00,
+                                                             0x80] * 64], dtype=torch.uint8)])
+    coef = coefficient_array(64)
+    terms = np.full(64, 0xDEAD, dtype=np.uint64)  # scratch left dirty: every term rewritten
+    edges = [0, *cuts, 256]
+    for row, want in zip(rows.numpy(), reference(rows), strict=True):
+        got = sum(host_piece_sum(row[a:b], coef[a // 4:], terms)
+                  for a, b in zip(edges, edges[1:], strict=False))
+        assert got & MASK == want
+
 
 def test_every_single_bit_flip_changes_the_sum() -> None:
     row = random_rows(1, 256, 6)

@@ -8,6 +8,7 @@ import torch
 
 from kvconnector.offload.jobs import JobReport, TransferJob
 from kvconnector.offload.pool_checks import PoolChecks
+from transfer import slot_checker
 from transfer.checksums import block_checksum
 from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.engine import CopyResult
@@ -111,6 +112,25 @@ def test_hash_checked_never_hashes_a_changed_slot() -> None:
             checker.hash_checked(rows, slots, keys, sums[:4])
     finally:
         checker.close()
+
+
+@pytest.mark.parametrize("piece", [12, 64, 1 << 20])
+def test_hash_checked_in_pieces(monkeypatch: pytest.MonkeyPatch, piece: int) -> None:
+    """A slot checked and hashed a piece at a time (a last piece shorter, one piece, or the
+    whole slot in one): the same xxh3 as the whole block's, None where one word changed."""
+    monkeypatch.setattr(slot_checker, "HASH_PIECE_BYTES", piece)
+    rows = torch.randint(0, 256, (6, 136), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(9))
+    slots, keys = [5, 1, 3], [b"x", b"y", b"z"]
+    sums = to_unsigned(row_sums(rows[slots]))
+    rows[3, 132] ^= 0x40  # slot 3's last word changed since its commit
+    checker = SlotChecker(threads=1)
+    try:
+        got = checker.hash_checked(rows, slots, keys, sums).result()
+    finally:
+        checker.close()
+    assert got == [block_checksum(rows[5].numpy(), b"x"), block_checksum(rows[1].numpy(), b"y"),
+                   None]
 
 
 def test_failed_tail_from_the_first_block_the_engine_found_bad() -> None:

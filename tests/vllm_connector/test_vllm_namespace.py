@@ -3,6 +3,7 @@ puts and gets under in a remote store (through vLLM in vllm_connector/test_vllm_
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -48,7 +49,7 @@ def test_slot_order_names_equal_bytes_equally() -> None:
 def test_each_tp_rank_of_a_gqa_cache_puts_its_own_bytes_under_its_own_keys() -> None:
     (d0, w0), (d1, w1) = ranks(GQA, 2)
     assert d0 == ENGINE.digest  # what the scheduler looks up
-    assert d1 == Namespace(**{**vars(ENGINE), "tp_rank": 1}).digest != d0
+    assert d1 == replace(ENGINE, tp_rank=1).digest != d0
     assert (w0, w1) == (True, True)
 
 
@@ -61,7 +62,7 @@ def test_the_tp_ranks_of_an_mla_cache_share_rank_0s_keys_and_only_rank_0_puts() 
 def test_pipeline_stages_keep_keys_of_their_own_under_mla() -> None:
     stage0, stage1 = ranks(MLA, 4)[:2], ranks(MLA, 4)[2:]  # TP 2 x PP 2, TP numbered fastest
     assert {d for d, _ in stage0} == {ENGINE.digest}
-    assert {d for d, _ in stage1} == {Namespace(**{**vars(ENGINE), "salt": "s/pp1"}).digest}
+    assert {d for d, _ in stage1} == {replace(ENGINE, salt="s/pp1").digest}
     assert [w for _, w in stage0 + stage1] == [True, False, True, False]
 
 

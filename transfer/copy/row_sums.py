@@ -74,6 +74,21 @@ def row_sums(rows: torch.Tensor, ids: torch.Tensor | None = None,
     return out
 
 
+def host_piece_sum(piece: np.ndarray, coef: np.ndarray, terms: np.ndarray) -> int:
+    """The terms of a row's sum over one piece of it, added mod 2^64, by numpy on the calling
+    thread: `piece` (uint8, whole words) is the row's bytes from some word k on, `coef` the
+    row's coefficients from k on (`coefficient_array(...)[k:]`, at least as many as the piece's
+    words), `terms` a uint64 scratch of at least as many. The pieces' sums of a row, added mod
+    2^64, are its `row_sums` as an unsigned int. Host threads sum this way, not through torch:
+    torch's CPU ops fork a thread team per calling thread (a checker's eight threads would start
+    eight teams of every core), and a piece that stays in cache is read from memory once."""
+    words = piece.view(np.int32)
+    out = terms[:len(words)]
+    np.copyto(out.view(np.int64), words)  # sign-extended, as `row_sums` reads a word
+    np.multiply(out, coef[:len(words)].view(np.uint64), out=out)
+    return int(np.add.reduce(out))
+
+
 def checked_copy(stage: torch.Tensor, expect: torch.Tensor, dst: torch.Tensor,
                  ids: torch.Tensor, run: torch.Tensor, good: torch.Tensor) -> None:
     """Copy the leading rows of `stage` whose sums equal `expect` into dst[ids], on the current

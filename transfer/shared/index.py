@@ -369,18 +369,25 @@ class SharedBlockIndex:
         return list(keys)
 
 
+_UINT64_END = 1 << 64
+
+
 def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
     """ValueError unless `sums` is a block's checksum list: 1 to MAX_BLOCK_SUMS uint64s; with
-    `unhashed`, also its xxh3s nil and then as many row sums (a commit by row sums only)."""
-    why = f"key {brief(key)} committed without its per-rank xxh3-64 checksums"
+    `unhashed`, also its xxh3s nil and then as many row sums (a commit by row sums only). Runs
+    per block of every commit: the message is built only for a list that fails."""
     if not isinstance(sums, list | tuple) or not 0 < len(sums) <= MAX_BLOCK_SUMS:
-        raise ValueError(f"{why} (1 to {MAX_BLOCK_SUMS} uint64s): got {brief(sums)}")
+        raise ValueError(f"{_unsummed(key)} (1 to {MAX_BLOCK_SUMS} uint64s): got {brief(sums)}")
     nils = 0
     if unhashed and sums[0] is None:  # row sums only: [nil per rank..., row sum per rank...]
         nils = len(sums) // 2
         if len(sums) % 2 or any(value is not None for value in sums[:nils]):
-            raise ValueError(f"{why}: a commit by row sums has a nil per rank, then a row sum "
-                             f"per rank, got {brief(sums)}")
+            raise ValueError(f"{_unsummed(key)}: a commit by row sums has a nil per rank, then "
+                             f"a row sum per rank, got {brief(sums)}")
     for value in sums[nils:]:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-            raise ValueError(f"{why}: {brief(value)} is not a uint64")
+        if type(value) is not int or not 0 <= value < _UINT64_END:  # an exact int: not a bool
+            raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
+
+
+def _unsummed(key: bytes) -> str:
+    return f"key {brief(key)} committed without its per-rank xxh3-64 checksums"
