@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from transfer.checksums import block_checksum, block_hasher
-from transfer.copy.row_sums import coefficient_array, host_piece_sum
+from transfer.copy.row_sums import check_row_bytes, coefficient_array, host_piece_sum
 
 MAX_THREADS = 8
 # A slot is checked and hashed after its commit this much at a time (transfer/copy/row_sums.py
-# host_piece_sum): the piece and its sum's terms stay in a core's cache, and xxhash releases
-# the GIL for an update over 64 KiB.
+# host_piece_sum): the piece, its sum's terms and their coefficients (1.25 MiB) stay in a core's
+# cache, and xxhash releases the GIL for an update over 64 KiB.
 HASH_PIECE_BYTES = 256 << 10
 _MASK = (1 << 64) - 1
 T = TypeVar("T")
@@ -122,8 +122,9 @@ def _hash_checked_part(array: np.ndarray, slots: list[int], keys: list[bytes],
     xxh3 where its row sum is the committed one. The piece stays in cache, so the slot is read
     from memory once: this runs beside the DMA of the stores, which shares the host's memory."""
     width = array.shape[1]
+    check_row_bytes(width)
     coef = coefficient_array(width // 4)
-    piece = np.empty(min(width, HASH_PIECE_BYTES), dtype=np.uint8)
+    piece = np.empty(min(width, max(4, HASH_PIECE_BYTES // 4 * 4)), dtype=np.uint8)  # whole words
     terms = np.empty(len(piece) // 4, dtype=np.uint64)
     out: list[int | None] = []
     for slot, key, expected in zip(slots, keys, sums, strict=True):

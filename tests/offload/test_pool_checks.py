@@ -114,10 +114,11 @@ def test_hash_checked_never_hashes_a_changed_slot() -> None:
         checker.close()
 
 
-@pytest.mark.parametrize("piece", [12, 64, 1 << 20])
+@pytest.mark.parametrize("piece", [1, 12, 63, 64, 1 << 20])
 def test_hash_checked_in_pieces(monkeypatch: pytest.MonkeyPatch, piece: int) -> None:
     """A slot checked and hashed a piece at a time (a last piece shorter, one piece, or the
-    whole slot in one): the same xxh3 as the whole block's, None where one word changed."""
+    whole slot in one; a piece size of partial words taken down to whole ones): the same xxh3
+    as the whole block's, None where one word changed."""
     monkeypatch.setattr(slot_checker, "HASH_PIECE_BYTES", piece)
     rows = torch.randint(0, 256, (6, 136), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(9))
