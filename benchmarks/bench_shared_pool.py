@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", help="GPUs storing and loading at once, one engine process "
                         "each: 'all' or indices such as 0,1,2,3 (default: one GPU, the run above)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:  # each figure is a median of the timed rounds after a warm-up
+        parser.error(f"--repeats must be a positive integer, got {args.repeats}")
     if args.gpus is not None and "," not in args.gpus and args.gpus.strip() != "all":
         # One GPU: the run above, on that GPU (chosen before CUDA starts in this process).
         try:

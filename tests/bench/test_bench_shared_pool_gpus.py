@@ -103,3 +103,12 @@ def test_bad_gpu_lists_exit_2_with_one_line(gpus: str, message: str,
         bench_shared_pool.main(["--gpus", gpus])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1"])
+def test_no_timed_rounds_exit_2_before_any_work(repeats: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_shared_pool.main(["--repeats", repeats])
+    assert exc.value.code == 2
+    assert f"--repeats must be a positive integer, got {repeats}" in capsys.readouterr().err
