@@ -50,6 +50,9 @@ class StorePlan:
     not_placed: list[bytes]
     evicted: list[bytes]
     evicted_slots: list[int]
+    # A checked pool's: whether blocks committed by their row sums must get their xxh3s after
+    # (some reader or tier below checks by xxh3; transfer/shared/index.py)
+    hash_later: bool = True
 
 
 @dataclass(frozen=True)
@@ -228,9 +231,11 @@ class BlockIndex:
         """`prepare_store` of each list in turn (one call per engine step)."""
         return [self.prepare_store(keys) for keys in key_lists]
 
-    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]) -> None:
+    def complete_store(self, keys: Sequence[bytes], ok: bool | Sequence[bool]
+                       ) -> list[int | None]:
         """Finish stores begun by prepare_store: ok keys become readable, failed ones free their
-        slot and are forgotten. `ok` is one flag for all keys or one per key."""
+        slot and are forgotten. `ok` is one flag for all keys or one per key. Returns, per key,
+        the slot it is readable in now (None: failed, or removed while it was being stored)."""
         keys = self._checked_keys(keys)
         if isinstance(ok, bool):
             flags = [ok] * len(keys)
@@ -247,19 +252,24 @@ class BlockIndex:
             entry = self._entries.get(key) or self._draining.get(key)
             if entry is None or not entry.storing:
                 raise ValueError(f"key {key.hex()} is not being stored")
+        readable: list[int | None] = []
         for key, stored in zip(keys, flags, strict=True):
+            slot = None
             if key in self._draining:
                 self._free.append(self._draining.pop(key).slot)
             elif stored:
-                self._entries[key].storing = False
+                entry = self._entries[key]
+                entry.storing = False
                 self._num_idle += 1
+                slot = entry.slot
             else:
                 self._free.append(self._entries.pop(key).slot)
                 self.policy.discard(key)
-            if stored:
-                self._stats.stores += 1
-            else:
-                self._stats.failed_stores += 1
+            readable.append(slot)
+        stores = sum(flags)
+        self._stats.stores += stores
+        self._stats.failed_stores += len(flags) - stores
+        return readable
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Slots of stored keys, pinned (never evicted) until complete_load."""

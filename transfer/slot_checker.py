@@ -11,6 +11,10 @@ checker's thread: transfer/copy/row_sums.py host_piece_sum) and compared with th
 one, and only a copy that matches is hashed, so an xxh3 is never taken of bytes other than
 those committed (a slot written since, or reused after an eviction, gets none).
 
+A reader checks a block by its xxh3 where it has one, else by the row sum it was committed
+with (`verify`'s `row_sums`: on the host, a piece at a time, as above), so a worker whose copy
+engine cannot check row sums on the way still loads a block no lease needed hashed.
+
 Checks run on `threads` threads (xxhash releases the GIL for blocks over 64 KiB, so they hash
 in parallel); a reader checks a load in chunks, copying one while the next ones are checked, so
 the check adds little to a copy it keeps up with.
@@ -25,6 +29,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from transfer.checksums import block_checksum, block_hasher
 from transfer.copy.row_sums import check_row_bytes, coefficient_array, host_piece_sum
@@ -73,23 +78,34 @@ class SlotChecker:
         return _joined(futures)
 
     def verify(self, rows: torch.Tensor, slots: Sequence[int], keys: Sequence[bytes],
-               sums: Sequence[int | None]) -> Future[int]:
-        """How many leading slots hold what their checksum says (a missing checksum fails)."""
-        if len(sums) != len(keys):
-            raise ValueError(f"{len(sums)} checksums for {len(keys)} keys")
-        hashed = self.hash(rows, slots, keys)
+               sums: Sequence[int | None],
+               row_sums: Sequence[int | None] = ()) -> Future[int]:
+        """How many leading slots hold what their checksum says: each slot's xxh3 against
+        `sums`, or where that is None its row sum against `row_sums` (a block committed by row
+        sums, not hashed); a slot with neither fails."""
+        if len(sums) != len(keys) or len(row_sums) not in (0, len(keys)):
+            raise ValueError(f"{len(sums)} checksums and {len(row_sums)} row sums for "
+                             f"{len(keys)} keys")
+        by_row_sums = list(row_sums) or [None] * len(keys)
+        parts = self._split(rows, slots, keys)
+        futures, at = [], 0
+        for array, part_slots, part_keys in parts:
+            end = at + len(part_slots)
+            futures.append(self._pool.submit(_verify_part, array, part_slots, part_keys,
+                                             list(sums[at:end]), by_row_sums[at:end]))
+            at = end
+        checked = _joined(futures)
         result: Future[int] = Future()
 
-        def compare(done: Future[list[int]]) -> None:
+        def leading(done: Future[list[bool]]) -> None:
             try:
-                got = done.result()
+                good = done.result()
             except Exception as exc:
                 result.set_exception(exc)
                 return
-            bad = [i for i, (a, b) in enumerate(zip(got, sums, strict=True)) if a != b]
-            result.set_result(bad[0] if bad else len(got))
+            result.set_result(good.index(False) if False in good else len(good))
 
-        hashed.add_done_callback(compare)
+        checked.add_done_callback(leading)
         return result
 
     def _split(self, rows: torch.Tensor, slots: Sequence[int],
@@ -115,26 +131,59 @@ def _hash_part(array: np.ndarray, slots: list[int], keys: list[bytes]) -> list[i
     return [block_checksum(array[slot], key) for slot, key in zip(slots, keys, strict=True)]
 
 
+class _SlotReader:
+    """Reads slots of rows `width` bytes wide a piece at a time into a buffer of the calling
+    thread's, summing each piece (transfer/copy/row_sums.py host_piece_sum) and handing it to a
+    hasher: both checksums of the same bytes, whatever the slot does meanwhile. The piece stays
+    in cache, so a slot is read from memory once: this runs beside the DMAs of the stores, which
+    share the host's memory."""
+
+    def __init__(self, width: int) -> None:
+        check_row_bytes(width)
+        self.width = width
+        self.coef = coefficient_array(width // 4)
+        self.piece = np.empty(min(width, max(4, HASH_PIECE_BYTES // 4 * 4)),
+                              dtype=np.uint8)  # whole words
+        self.terms = np.empty(len(self.piece) // 4, dtype=np.uint64)
+
+    def row_sum(self, row: np.ndarray, hasher: xxhash.xxh3_64 | None = None) -> int:
+        """The row's sum (and its bytes into `hasher`)."""
+        total, piece = 0, self.piece
+        for start in range(0, self.width, len(piece)):
+            part = piece[:min(len(piece), self.width - start)]
+            np.copyto(part, row[start:start + len(part)])
+            total += host_piece_sum(part, self.coef[start // 4:], self.terms)
+            if hasher is not None:
+                hasher.update(part)
+        return total & _MASK
+
+
 def _hash_checked_part(array: np.ndarray, slots: list[int], keys: list[bytes],
                        sums: list[int]) -> list[int | None]:
-    """Each slot read a piece at a time into a buffer of this thread's, the piece summed and
-    hashed there (both checksums of the same bytes, whatever the slot does meanwhile); a slot's
-    xxh3 where its row sum is the committed one. The piece stays in cache, so the slot is read
-    from memory once: this runs beside the DMA of the stores, which shares the host's memory."""
-    width = array.shape[1]
-    check_row_bytes(width)
-    coef = coefficient_array(width // 4)
-    piece = np.empty(min(width, max(4, HASH_PIECE_BYTES // 4 * 4)), dtype=np.uint8)  # whole words
-    terms = np.empty(len(piece) // 4, dtype=np.uint64)
+    """Each slot's xxh3 where its row sum, of the same bytes (`_SlotReader`), is the committed
+    one."""
+    reader = _SlotReader(array.shape[1])
     out: list[int | None] = []
     for slot, key, expected in zip(slots, keys, sums, strict=True):
-        hasher, total = block_hasher(key), 0
-        for start in range(0, width, len(piece)):
-            part = piece[:min(len(piece), width - start)]
-            np.copyto(part, array[slot, start:start + len(part)])
-            total += host_piece_sum(part, coef[start // 4:], terms)
-            hasher.update(part)
-        out.append(hasher.intdigest() if total & _MASK == expected else None)
+        hasher = block_hasher(key)
+        out.append(hasher.intdigest() if reader.row_sum(array[slot], hasher) == expected
+                   else None)
+    return out
+
+
+def _verify_part(array: np.ndarray, slots: list[int], keys: list[bytes],
+                 sums: list[int | None], row_sums: list[int | None]) -> list[bool]:
+    """Whether each slot holds what its xxh3 says, or, without one, its row sum."""
+    reader: _SlotReader | None = None
+    out = []
+    for slot, key, xxh3, row_sum in zip(slots, keys, sums, row_sums, strict=True):
+        if xxh3 is not None:
+            out.append(block_checksum(array[slot], key) == xxh3)
+        elif row_sum is not None:
+            reader = reader or _SlotReader(array.shape[1])
+            out.append(reader.row_sum(array[slot]) == row_sum)
+        else:
+            out.append(False)
     return out
 
 

@@ -13,9 +13,10 @@ copied, while the next ones copy; a store's time runs until every block is commi
 (`store_gbps`: the median of `repeats` rounds of n new blocks placed beforehand, after one
 warm-up). Its xxh3s are taken from each commit on, as an engine's worker takes them (off the
 store's path, each slot checked against its committed row sums first:
-SlotChecker.hash_checked) and attached (`add_sums`): `late_hash_s` is how long after the last
-commit the last xxh3 was attached, `late_hash_gbps` the set's bytes over the time from the
-store's start to then.
+SlotChecker.hash_checked) and attached (`add_sums`), since this process also loads by xxh3 (its
+lease needs them; the writer's, a GPU engine's without a tier below, would not): `late_hash_s`
+is how long after the last commit the last xxh3 was attached, `late_hash_gbps` the set's bytes
+over the time from the store's start to then.
 Rates are held against the same-run ceilings: the loads against the one-way host -> device
 copy; both directions at once (the writer storing a second set while this process loads the
 first, by row sums) against the bidirectional ceiling. Metadata cost per block: lookup + pin +
@@ -236,12 +237,14 @@ def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: i
 
 def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
                  index: SharedIndex, keys: list[bytes], ids: list[int], slots: list[int],
-                 job_base: int, committed: Callable[[], None] = lambda: None) -> None:
+                 job_base: int, committed: Callable[[], None] = lambda: None, *,
+                 hash_later: bool = True) -> None:
     """Store as an engine's worker does: WRITER_JOBS jobs (an engine stores one per request),
     each committed by its row sums as soon as it is copied, while the next ones copy;
-    `committed()` once every commit is applied (readable); each job's xxh3s, taken off the
-    store's path from its commit on (each slot checked against its committed row sums first:
-    SlotChecker.hash_checked), are attached after."""
+    `committed()` once every commit is applied (readable); with `hash_later` (the store's plan
+    says a lease needs them), each job's xxh3s, taken off the store's path from its commit on
+    (each slot checked against its committed row sums first: SlotChecker.hash_checked), are
+    attached after."""
     step = -(-len(keys) // WRITER_JOBS)
     parts = [slice(i, i + step) for i in range(0, len(keys), step)]
     for j, part in enumerate(parts):
@@ -255,9 +258,13 @@ def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
             raise RuntimeError(f"store job {result.job_id} failed: {result}")
         index.complete_store(keys[part], True, [[None, r] for r in result.sums])
         sums_of_rows.append(list(result.sums))
-        later.append(checker.hash_checked(pool.slots, slots[part], keys[part], result.sums))
+        if hash_later:
+            later.append(checker.hash_checked(pool.slots, slots[part], keys[part],
+                                              result.sums))
     index.pool_stats()  # every commit applied: readable
     committed()
+    if not hash_later:
+        return
     for part, future, rows in zip(parts, later, sums_of_rows, strict=True):
         xxh3s = future.result()
         if None in xxh3s:
@@ -289,7 +296,9 @@ def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
     xxh3s follow)."""
     try:
         namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
-        index = SharedIndex(name, namespace, block_bytes)
+        # a GPU engine with no tier below: the reader's lease is what wants the xxh3s
+        index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True, needs_xxh3=False)
+        index.pool_stats()  # its notice applied before the first store is planned
         pool = HostPool.attach(index.segment, pinned=device.startswith("cuda"))
         cache: SlotBuffer = allocate_slots(n, block_bytes, device=device)
         g = torch.Generator(device=device).manual_seed(1)
@@ -307,6 +316,8 @@ def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
 
         def store(plan: StorePlan, job_base: int,
                   committed: Callable[[], None] = lambda: None) -> None:
+            if not plan.hash_later:
+                raise RuntimeError("the reader's lease needs xxh3s: the pool must ask for them")
             store_blocks(engine, checker, pool, index, plan.keys, ids, plan.slots, job_base,
                          committed)
 

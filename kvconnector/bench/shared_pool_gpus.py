@@ -17,8 +17,10 @@ so each runs as a one-GPU engine does), all started together and stepped behind 
   one TransferEngine per direction, as the one-GPU bench's reader and writer). Loads are checked
   as an engine checks them, by the blocks' row sums on the way (the copy engine; on a CPU its
   lanes); stores are committed by the row sums their copy took, as the one-GPU bench's writer
-  stores (`store_blocks`): a store's time runs until its commits are applied, its xxh3s are
-  taken and attached after (`late_hash_s`: from the last commit to the last xxh3).
+  stores (`store_blocks`): a store's time runs until its commits are applied. The engines are a
+  GPU fleet with no tier below: no lease needs xxh3s, so none is taken (the pool says so in each
+  store's plan: `hash_later`); were one needed, it would be taken and attached after the commit
+  (`late_hash_s`: from the last commit to the last xxh3).
 
 Every block's bytes are a function of its key (`block_pattern`), so every loaded byte is compared
 with what its writer, whichever engine that was, stored (destinations poisoned before each copy),
@@ -353,8 +355,11 @@ class _Engine:
         self.device = torch.device(device_type)
         self.block_bytes = block_bytes
         self.namespace = _namespace(block_bytes)
-        # Loads are checked by row sums: blocks committed before their xxh3s are hits.
-        self.index = SharedIndex(name, self.namespace, block_bytes, row_sum_reader=True)
+        # Loads are checked by row sums: blocks committed by them are hits; no tier below: the
+        # engines need no xxh3s.
+        self.index = SharedIndex(name, self.namespace, block_bytes, row_sum_reader=True,
+                                 needs_xxh3=False)
+        self.index.pool_stats()  # its notice applied before any engine plans a store
         self.pool = HostPool.attach(self.index.segment, pinned=self.device.type == "cuda")
         self.cache: SlotBuffer = allocate_slots(2 * n, block_bytes, device=self.device)
         self.rows = self.cache.rows()
@@ -363,6 +368,7 @@ class _Engine:
         self.checker = SlotChecker()
         self.jobs = 0
         self.late_hash_s: list[float] = []  # each timed store: last commit to last xxh3
+        self.hashed_stores = 0  # stores the pool asked to hash (a lease needed the xxh3s)
         self.counts = {"blocks_stored": 0, "blocks_loaded": 0, "load_bytes_compared": 0,
                        "store_bytes_compared": 0, "load_mismatches": 0, "store_mismatches": 0}
 
@@ -393,9 +399,9 @@ class _Engine:
     def _keys(self, numbers: Sequence[int]) -> list[bytes]:
         return [self.namespace.key(number) for number in numbers]
 
-    def _store(self, numbers: list[int]) -> tuple[list[bytes], list[int], list[int]]:
+    def _store(self, numbers: list[int]) -> tuple[list[bytes], list[int], list[int], bool]:
         """Plan a store of `numbers` (those the daemon hands this engine) and fill their sources;
-        (keys, numbers, slots) placed."""
+        (keys, numbers, slots) placed, and whether their xxh3s are wanted."""
         keys = self._keys(numbers)
         plan = self.index.prepare_store(keys)
         if plan.evicted or plan.not_placed:
@@ -405,7 +411,8 @@ class _Engine:
         numbers = [placed[key] for key in plan.keys]
         fill_blocks(self.rows, 0, numbers)
         self._settle()
-        return plan.keys, numbers, plan.slots
+        self.hashed_stores += plan.hash_later
+        return plan.keys, numbers, plan.slots, plan.hash_later
 
     def _run(self, repeats: int) -> dict[str, Any]:
         n, rank = self.n, self.rank
@@ -430,13 +437,17 @@ class _Engine:
         return {"rank": rank, "device_name": _device_name(self.device), "blocks": n,
                 "common_stored": len(common[0]), "own_stored": len(own[0]),
                 "load_sources": {"common": n // 3, "own": n // 3, "next": n - 2 * (n // 3)},
-                "late_hash_s": statistics.median(self.late_hash_s), "spans": spans,
+                "hashed_stores": self.hashed_stores,
+                "late_hash_s": statistics.median(self.late_hash_s) if self.late_hash_s
+                else None, "spans": spans,
                 **self.counts}
 
-    def _commit_store(self, keys: list[bytes], numbers: list[int], slots: list[int]) -> None:
+    def _commit_store(self, keys: list[bytes], numbers: list[int], slots: list[int],
+                      hash_later: bool) -> None:
         if keys:
             store_blocks(self.storer, self.checker, self.pool, self.index, keys,
-                         list(range(len(keys))), slots, self._job_ids(WRITER_JOBS))
+                         list(range(len(keys))), slots, self._job_ids(WRITER_JOBS),
+                         hash_later=hash_later)
             self.counts["blocks_stored"] += len(keys)
 
     def _round(self, phase: str, loads: list[int], load_ids: list[int], stores: list[int],
@@ -466,7 +477,7 @@ class _Engine:
                 t0 = time.time()
                 work(lambda: ends.append(time.time()))
                 spans[direction].append((t0, ends[0] if ends else time.time()))
-                if ends:
+                if ends and store is not None and store[3]:  # its xxh3s were taken
                     self.late_hash_s.append(time.time() - ends[0])
             except BaseException as exc:
                 failures.append(exc)
@@ -477,10 +488,11 @@ class _Engine:
             threads.append(threading.Thread(target=timed, args=("load", lambda _: load_blocks(
                 self.loader, load_job, plan.slots, load_ids, row_sums(plan.sums or [])))))
         if store is not None:
-            keys, _, slots = store
+            keys, _, slots, hash_later = store
             threads.append(threading.Thread(target=timed, args=("store", lambda done: (
                 store_blocks(self.storer, self.checker, self.pool, self.index, keys,
-                             list(range(n)), slots, store_jobs, done)))))
+                             list(range(n)), slots, store_jobs, done,
+                             hash_later=hash_later)))))
         self.barrier.wait()
         for thread in threads:
             thread.start()
@@ -495,7 +507,7 @@ class _Engine:
             self.counts["blocks_loaded"] += n
             self.index.complete_load(load_keys)
         if store is not None:
-            keys, numbers, slots = store
+            keys, numbers, slots, _ = store
             self.counts["blocks_stored"] += n
             # Read back through a plain copy (the pool's bytes, not a check's verdict), then the
             # slots go back to the pool for the next round.

@@ -1,4 +1,6 @@
-"""Loads of a shared pool's blocks, each block checked before it is copied.
+"""Loads of a shared pool's blocks, each block checked before it is copied: by its xxh3, or, a
+block committed by row sums and not hashed, by its row sum (on the host, where the copy engine
+does not check them on the way: transfer/slot_checker.py).
 
 Another process can write a shared slot after its commit (transfer/slot_checker.py), and a
 corrupt block must never reach a KV block, so a load's checked blocks go to the copy engine only
@@ -80,9 +82,12 @@ class CheckedLoads:
         if not checked:
             return False
         engine.check_load(job.job_id, job.slots[:head], job.block_ids[:head])
-        # A missing checksum (a rank the commit lacks) fails its block's check.
+        # A missing checksum (a rank the commit lacks) fails its block's check; a block not
+        # hashed is checked by its row sum (a worker whose copy engine does not check them).
         sums = rank_sums(job.sums[:checked], self.rank)
         sums += [None] * (checked - len(sums))
+        by_rows = rank_sums(job.row_sums[:checked], self.rank) if job.row_sums else []
+        by_rows += [None] * (checked - len(by_rows))
         step = max(1, CHUNK_BYTES // max(1, int(rows.shape[1])))
         # The first chunk is a block per thread: the copy starts after one block's check.
         ends = [min(step, self.checker.threads, checked)]
@@ -92,7 +97,8 @@ class CheckedLoads:
         for start, end in zip([0, *ends], ends, strict=False):
             chunks.append((start, end, self.checker.verify(rows, job.slots[start:end],
                                                            job.checked[start:end],
-                                                           sums[start:end])))
+                                                           sums[start:end],
+                                                           by_rows[start:end])))
         if checked < head:
             chunks.append((checked, head, None))
         self._loads[job.job_id] = _Load(job.job_id, job.slots[:head], job.block_ids[:head], chunks)

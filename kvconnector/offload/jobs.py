@@ -28,7 +28,8 @@ class TransferJob:
     it (`JobReport.sums`); a load checks each worker's part against `sums` (per block, one
     checksum per rank) and fails from the first block that differs. `row_sums`: per block, one
     row sum per rank (transfer/copy/row_sums.py), where the block was committed with them; a
-    worker whose copy engine sums rows checks those on the way instead.
+    worker whose copy engine sums rows checks those on the way instead. `hash_later`: a store
+    committed by its row sums also gets its xxh3s after (some reader or tier needs them).
     """
 
     job_id: int
@@ -41,6 +42,7 @@ class TransferJob:
     sums: tuple[tuple[int, ...], ...] = ()
     row_sums: tuple[tuple[int, ...], ...] = ()
     fetches: tuple[TierOp, ...] = ()
+    hash_later: bool = True
 
     @property
     def fetch_slots(self) -> tuple[int, ...]:
@@ -97,6 +99,8 @@ class JobReport:
     # store committed by row sums -> rank -> its blocks' xxh3s, taken after the commit (None: the
     # slot no longer matched the committed row sums)
     hashed: dict[int, dict[int, list[int | None]]] = field(default_factory=dict)
+    # rank -> whether it checks loads by row sums (sent once it mapped a shared pool)
+    row_sum_reads: dict[int, bool] = field(default_factory=dict)
 
     def merged(self, other: JobReport) -> JobReport:
         counts = [_summed(a, b) for a, b in ((self.done, other.done), (self.failed, other.failed),
@@ -112,7 +116,8 @@ class JobReport:
         hashed = {job: dict(ranks) for job, ranks in self.hashed.items()}
         for job_id, ranks in other.hashed.items():
             hashed.setdefault(job_id, {}).update(ranks)
-        out = JobReport(*counts, bad, *totals, {}, sums, failures, hashed)
+        out = JobReport(*counts, bad, *totals, {}, sums, failures, hashed,
+                        {**self.row_sum_reads, **other.row_sum_reads})
         for report in (self, other):
             for tier, tier_counts in report.tiers.items():
                 out.count(tier, tier_counts)
@@ -122,7 +127,7 @@ class JobReport:
         """Nothing to send (a report of tier counts or bad keys alone is not empty)."""
         return not (self.done or self.failed or self.written or self.bad
                     or any(any(c.values()) for c in self.tiers.values())
-                    or self.checksum_failures or self.hashed)
+                    or self.checksum_failures or self.hashed or self.row_sum_reads)
 
     def count(self, tier: str, counts: dict[str, float]) -> None:
         """Add a tier's counts."""

@@ -2,10 +2,11 @@
 
 A store whose copy took its blocks' row sums (transfer/copy/row_sums.py: a worker whose cache is
 on a GPU, ROW_SUMS_DEVICES) is reported as soon as its copy is done, with its row sums only (the
-scheduler commits it by them: no host hashing on the store's path); its xxh3s are taken after,
-on the checker's threads (`SlotChecker.hash_checked`: only of slot bytes whose row sums still
-match the commit) and reported apart (`JobReport.hashed`, None for a block whose slot changed
-since: the scheduler drops it), for the readers, tiers and disks that check by xxh3. Any other
+scheduler commits it by them: no host hashing on the store's path); where a reader, tier or disk
+that checks by xxh3 needs them (`TransferJob.hash_later`), its xxh3s are taken after, on the
+checker's threads (`SlotChecker.hash_checked`: only of slot bytes whose row sums still match the
+commit) and reported apart (`JobReport.hashed`, None for a block whose slot changed since: the
+scheduler drops it). Any other
 store is hashed once its copy is done and reported with its checksums. A GPU worker checks a
 load whose blocks all carry row sums on the way, by its copy engine (`expected`): no host
 hashing on the load path. Else a load's blocks are checked before they are copied, chunk by
@@ -41,7 +42,8 @@ class PoolChecks:
         self.row_sums = device.type in ROW_SUMS_DEVICES
         self.sum_stores = self.check_loads = False  # set by `bind`, per copy engine
         self.checker = SlotChecker()
-        self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...]]] = {}  # submitted
+        # store submitted -> its keys, slots, and whether a commit by row sums is hashed after
+        self._stores: dict[int, tuple[tuple[bytes, ...], tuple[int, ...], bool]] = {}
         self._row_sums: dict[int, tuple[int, ...]] = {}  # store being hashed -> its row sums
         self._hashing: dict[int, Future[list[int]]] = {}  # store copied -> its checksums
         # store committed by its row sums -> its xxh3s (None: the slot no longer matched)
@@ -63,20 +65,21 @@ class PoolChecks:
 
     def store_submitted(self, job: TransferJob) -> None:
         if job.checked:
-            self._stores[job.job_id] = (job.checked, job.slots)
+            self._stores[job.job_id] = (job.checked, job.slots, job.hash_later)
 
     def store_copied(self, result: CopyResult, rows: torch.Tensor, report: JobReport) -> bool:
         """True when the store is being hashed now (reported by `report_hashed`); False: report
         it now (one whose copy took its row sums has them in `report` already: it commits by
-        them, and its xxh3s follow from `report_hashed`)."""
+        them, and its xxh3s follow from `report_hashed` where the job wants them)."""
         checked = self._stores.pop(result.job_id, None)
         if not result.ok or checked is None:
             return False
-        keys, slots = checked
-        if len(result.sums) == len(keys) and keys:  # commit by row sums, hash after
+        keys, slots, hash_later = checked
+        if len(result.sums) == len(keys) and keys:  # commit by row sums (hash after)
             report.sums[result.job_id] = {self.rank: [None] * len(keys) + list(result.sums)}
-            later = self.checker.hash_checked(rows, slots, keys, result.sums)
-            self._hashing_later[result.job_id] = (later, len(keys))
+            if hash_later:
+                later = self.checker.hash_checked(rows, slots, keys, result.sums)
+                self._hashing_later[result.job_id] = (later, len(keys))
             return False
         self._hashing[result.job_id] = self.checker.hash(rows, slots, keys)
         self._row_sums[result.job_id] = result.sums

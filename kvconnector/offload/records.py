@@ -71,6 +71,7 @@ class Job:
     # tokens reach this; the job must be flushed before a forward may write the block again
     leaves_at: int | None = None
     slots: list[int] = field(default_factory=list)  # a store's pool slots, in key order
+    hash_later: bool = True  # a store committed by row sums gets its xxh3s after
 
 
 @dataclass

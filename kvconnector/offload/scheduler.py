@@ -24,10 +24,15 @@ connection that is gone (a restarted daemon) completes nothing in the new one (i
 with the connection). Its blocks carry checksums: every worker hashes its part of a stored
 block (`JobReport.sums`), the store commits with them, and a load hands them to the workers,
 which check their parts (transfer/slot_checker.py). GPU workers report the row sums their copy
-took instead, and the store commits by them at once; their xxh3s follow (`JobReport.hashed`,
-taken from slots that still match the commit) and are attached to the committed blocks
-(`index.add_sums`), a block whose slot no longer matched is dropped, and only then does it go to
-the tiers that keep xxh3s (one evicted before is not written below: it could not be checked).
+took instead, and the store commits by them at once; where some reader or tier needs them (the
+index's `StorePlan.hash_later`), their xxh3s follow (`JobReport.hashed`, taken from slots that
+still match the commit) and are attached to the committed blocks (`index.add_sums`), a block
+whose slot no longer matched is dropped, and only then does it go to the tiers that keep xxh3s
+(one evicted before is not written below: it could not be checked). Once every worker said it
+checks loads by row sums (`JobReport.row_sum_reads`), the index is told (`reads`): blocks not
+hashed yet are hits to this engine, and with no tier below it needs no xxh3s at all (an engine
+may say so from its start, as a GPU engine's adapter does; a worker that turns out to take no
+row sums checks such blocks on its host, and the engine then reads by xxh3).
 
 Block safety (a GPU block must not be reused while a store still reads it):
 - a finished request with stores in flight or still to make keeps its blocks (`request_finished`
@@ -110,6 +115,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         self._writes = {}  # tier write id -> its Write (pool keys pinned until it is done)
         self._bad: dict[int, list[bytes]] = {}  # tier op -> keys that failed there so far
         self._late: dict[int, LateHash] = {}  # store committed by row sums -> its xxh3s so far
+        self._row_sum_reads: dict[int, bool] = {}  # rank -> whether it checks loads by row sums
         self._next_job_id = 0
         self._step = StepJobs()
         self._counters = OffloadCounters()
@@ -189,6 +195,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
             first_block = min(position[k][1] for k in plan.keys)
             job_id = self._add_job(state, req_id, True, plan.keys, first_block)
             self._jobs[job_id].slots = list(plan.slots)
+            self._jobs[job_id].hash_later = plan.hash_later
             if leaves_at is not None:
                 self._jobs[job_id].leaves_at = leaves_at
                 self._windowed.add(job_id)
@@ -197,7 +204,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                                                  tuple(plan.slots),
                                                  pool=self.index.segment,
                                                  checked=tuple(plan.keys) if self.checked
-                                                 else ()))
+                                                 else (), hash_later=plan.hash_later))
 
     def flush_windows(self, num_computed_tokens: Mapping[str, int]) -> None:
         """vLLM frees a sliding window group's blocks that fell out of the window once a request
@@ -281,6 +288,9 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                 self._jobs[job_id].hashed.update(ranks)
             elif job_id in self._late:
                 self._late[job_id].hashed.update(ranks)
+        if report.row_sum_reads:
+            self._row_sum_reads.update(report.row_sum_reads)
+            self._declare_reads()
         for op_id, keys in report.bad.items():
             if op_id in self._jobs or op_id in self._writes:
                 known = self._bad.setdefault(op_id, [])  # ranks report the same key apart
@@ -305,6 +315,24 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
             if self._jobs[job_id].pending == 0:
                 self._finish(job_id)
         self._attach_hashes()
+
+    def read_by_row_sums(self) -> None:
+        """Read a shared pool by row sums before the workers said so (they are expected to:
+        GPU workers); `_declare_reads` corrects it by their reports."""
+        self._row_sum_reads.clear()
+        self._declare_reads(expected=True)
+
+    def _declare_reads(self, expected: bool = False) -> None:
+        """Tell a shared pool's index how this engine reads: by row sums once every worker
+        checks loads so (then it needs xxh3s only for its tiers below), by xxh3 as soon as one
+        does not (its loads of blocks not hashed were checked on its host: pool_checks.py)."""
+        reads = getattr(self.index, "reads", None)
+        if reads is None:
+            return
+        if not all(self._row_sum_reads.values()):
+            reads(False, True)
+        elif expected or len(self._row_sum_reads) == self.num_workers:
+            reads(True, bool(self.tiers))
 
     def _finish_write(self, write_id: int) -> None:
         write = self._writes.pop(write_id)
@@ -334,7 +362,8 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
             if self.checked and not job.failed:
                 committed = self._commit(job.keys, job.sums, live)
                 job.failed = committed is None
-                late = committed is not None and not all(hashed(s) for s in committed)
+                late = committed is not None and job.hash_later and \
+                    not all(hashed(s) for s in committed)
                 if late:  # a rank that hashed before its report needs no later hash
                     n = len(job.keys)
                     ranks = {r: s[:n] for r, s in job.sums.items() if None not in s[:n]}
@@ -348,7 +377,8 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                 else:
                     self.events.settled(job.keys)
             self._counters.failed_stores += job.failed
-            if not job.failed and live and job.resets == self._resets and not late:
+            if not job.failed and live and job.resets == self._resets and not late \
+                    and job.hash_later:  # else no tier below (nothing that needs xxh3s)
                 self._write_stored(job.keys, self._xxh3s(job.keys, job.sums))
         else:
             fetched = [key for _, keys in job.fetches for key in keys]

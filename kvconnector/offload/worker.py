@@ -159,6 +159,8 @@ class OffloadWorker:
         self._rows = pool.rows(offset, self.block_bytes)
         if self.checks is not None:
             self.checks.bind(engine)
+            # the scheduler reads the pool by row sums only if every rank checks loads so
+            self._report.row_sum_reads[self.checks.rank] = self.checks.check_loads
         for tier in self.tiers.values():
             tier.bind(self._rows, self._room())
 

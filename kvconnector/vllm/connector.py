@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -174,6 +175,11 @@ class CrossLayerOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 if index is not None:
                     index.close()
                 raise
+            if index is not None and current_platform.is_cuda():
+                # GPU workers check loads by row sums on the way: read the pool so from the
+                # first request (a restarted engine is served blocks nobody hashed); a worker
+                # that does not says so, and the core reads by xxh3 from then on.
+                self._scheduler.read_by_row_sums()
             if events_enabled(vllm_config):
                 self._events = ConnectorEvents(vllm_config, kv_cache_config, self._scheduler,
                                                list(tiers.settings), self.options.pool)

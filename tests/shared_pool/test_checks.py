@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transfer.checksums import block_checksum
+from transfer.copy.row_sums import row_sums, to_unsigned
 from transfer.keys import Namespace
 from transfer.slot_checker import SlotChecker
 
@@ -50,10 +51,29 @@ def test_verify_counts_the_good_blocks_before_the_first_bad_one(checker: SlotChe
     assert checker.verify(rows, slots, list(reversed(keys)), sums).result() == 0  # wrong keys
 
 
+def test_a_block_without_its_xxh3_is_checked_by_its_row_sum(checker: SlotChecker) -> None:
+    """A block committed by row sums and never hashed: its row sum checks it (the reference
+    sum of transfer/copy/row_sums.py); a flipped byte anywhere fails it, and one with neither
+    checksum fails too."""
+    rows = slot_rows(width=600_000)  # over two of the 256 KiB pieces
+    slots, keys = [2, 5, 0], NS.keys([b"p", b"q", b"r"])
+    xxh3s = checker.hash(rows, slots, keys).result()
+    by_rows = to_unsigned(row_sums(rows[slots]))
+    assert checker.verify(rows, slots, keys, [None] * 3, by_rows).result() == 3
+    assert checker.verify(rows, slots, keys, [xxh3s[0], None, None], by_rows).result() == 3
+    for at in (0, 262_143, 262_144, 599_999):
+        rows[5, at] ^= 0x10
+        assert checker.verify(rows, slots, keys, [None] * 3, by_rows).result() == 1
+        rows[5, at] ^= 0x10
+    assert checker.verify(rows, slots, keys, [None] * 3, [by_rows[0], None, None]).result() == 1
+
+
 def test_bad_input_is_refused_naming_it(checker: SlotChecker) -> None:
     rows = slot_rows()
-    with pytest.raises(ValueError, match="3 checksums for 2 keys"):
+    with pytest.raises(ValueError, match="3 checksums and 0 row sums for 2 keys"):
         checker.verify(rows, [0, 1], NS.keys([b"a", b"b"]), [1, 2, 3])
+    with pytest.raises(ValueError, match="2 checksums and 1 row sums for 2 keys"):
+        checker.verify(rows, [0, 1], NS.keys([b"a", b"b"]), [1, 2], [5])
     with pytest.raises(ValueError, match="2 slots for 1 keys"):
         checker.hash(rows, [0, 1], NS.keys([b"a"]))
     with pytest.raises(ValueError, match="dense 2-D uint8 host rows"):

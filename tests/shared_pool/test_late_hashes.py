@@ -24,7 +24,7 @@ from pool_sides import POISON, TIMEOUT_S, fill, hashes
 
 from kvconnector.layout import KVLayout
 from kvconnector.layout.allocator import allocate
-from kvconnector.offload.jobs import StepJobs, TransferEvents
+from kvconnector.offload.jobs import JobReport, StepJobs, TransferEvents
 from kvconnector.offload.loads import POOL
 from kvconnector.offload.scheduler import OffloadScheduler
 from kvconnector.offload.worker import OffloadWorker
@@ -39,7 +39,7 @@ from transfer.disk.slab import SlabFile
 from transfer.disk.worker import DiskWorker
 from transfer.keys import Namespace
 from transfer.shared import protocol
-from transfer.shared.client import PoolClient, SharedIndex
+from transfer.shared.client import PoolClient, PoolError, SharedIndex
 from transfer.shared.index import SharedBlockIndex
 from transfer.shared.mapping import SharedPart
 from transfer.tier import TierOp
@@ -318,7 +318,7 @@ def test_index_serves_unhashed_blocks_by_lease() -> None:
     index = SharedBlockIndex(8, 64, "lru")
     index.open(1, [NS.digest], 64)
     index.open(2, [NS.digest], 64)
-    index.read_row_sums(2)
+    index.reads(2, True, True)
     keys = NS.keys(hashes("i", 3))
     plan = index.prepare_store(1, keys)
     for bad in ([None, None, 5], [None], [5, None], [None, 5, None, 6], [None, None]):
@@ -372,9 +372,10 @@ def test_a_stale_late_hash_leaves_a_block_stored_again_alone(
     """Engine a commits K by row sums; K is evicted, its slot reused, and engine b stores K
     again with the same bytes (the same row sums). a's late hash finds its slot changed (nil):
     the daemon applies it to nothing (K is b's now), so b's K stays, gets b's own xxh3, and a
-    counts no mismatch."""
+    counts no mismatch. (A CPU engine's lease needs xxh3s: both hash after their commits.)"""
     a = Engine(pool.name, row_sums=True)
     b = Engine(pool.name, row_sums=True, row_sum_reader=True)
+    cpu = Engine(pool.name, row_sums=False)
     try:
         k = hashes("k", 1)
         key = NS.keys(k)
@@ -392,8 +393,8 @@ def test_a_stale_late_hash_leaves_a_block_stored_again_alone(
         assert b.index.checksums(key) == sums_of(written[:1], key)
     finally:
         gate.set()
-        a.close()
-        b.close()
+        for engine in (a, b, cpu):
+            engine.close()
 
 
 def test_a_block_committed_by_row_sums_is_in_the_change_log_once_hashed(
@@ -434,28 +435,39 @@ def test_a_block_committed_by_row_sums_is_in_the_change_log_once_hashed(
             each.close()
 
 
-def test_kv_events_announce_a_block_committed_by_row_sums_once_hashed(
+def test_kv_events_announce_a_block_committed_by_row_sums_as_each_engine_can_load_it(
         pool: PoolProcess, gate: threading.Event) -> None:
-    """An engine's KV events (fed by the daemon's change log): blocks committed by row sums are
-    not announced at their commit (an engine that checks by xxh3 could not load them), but once
-    their xxh3s are attached; one whose slot changed before its hash never is."""
+    """Engines' KV events (fed by the daemon's change log): a block committed by row sums is
+    announced at its commit to the engine that reads by row sums (the writer, once its worker
+    said so), and to one that checks by xxh3 (a CPU engine, whose lease makes the writer hash)
+    only once its xxh3s are attached; one whose slot changed before its hash is removed from the
+    first and never announced to the second."""
     writer = Engine(pool.name, row_sums=True)
-    writer.core.enable_events([POOL])
+    cpu = Engine(pool.name, row_sums=False)
+    for engine in (writer, cpu):
+        engine.core.enable_events([POOL])
     try:
         tags = hashes("ev", 3)
         keys = NS.keys(tags)
         writer.store("w", tags, 5)
-        assert [c for c in writer.core.take_block_changes() if c.stored] == []
+        assert writer.index.row_sum_reader and writer.index.needs_xxh3 is False
+        assert [(c.stored, set(c.keys)) for c in writer.core.take_block_changes()] == \
+            [(True, set(keys))]
+        assert cpu.core.take_block_changes() == []
         (store,) = [job for jobs in writer.jobs for job in jobs.stores]
+        assert store.hash_later  # the CPU engine's lease needs the xxh3s
         writer.worker.pool.slots[store.slots[1], 100] ^= 0x04  # a stray write after the commit
         gate.set()
         writer.steps_until(lambda: not writer.core.has_jobs())
-        changes = writer.core.take_block_changes()
-        assert [(c.stored, set(c.keys)) for c in changes] == [(True, {keys[0], keys[2]})]
+        assert [(c.stored, set(c.keys)) for c in writer.core.take_block_changes()] == \
+            [(False, {keys[1]})]
+        assert [(c.stored, set(c.keys)) for c in cpu.core.take_block_changes()] == \
+            [(True, {keys[0], keys[2]})]
         assert writer.core.take_counters().late_hash_mismatches == 1
     finally:
         gate.set()
         writer.close()
+        cpu.close()
 
 
 def test_a_row_sum_readers_load_with_fetches_ends_before_an_unhashed_block(
@@ -545,3 +557,166 @@ def test_a_load_meeting_a_block_stored_again_unhashed_fails_dropping_nothing(
         gate.set()
         for engine in (cpu_writer, writer, reader):
             engine.close()
+
+
+def test_without_a_reader_of_xxh3s_no_block_is_hashed(pool: PoolProcess,
+                                                      gate: threading.Event) -> None:
+    """Engines that all read by row sums and keep nothing below: once their workers said so,
+    their stores commit by row sums and are never hashed (no hash runs, no xxh3 is attached),
+    and are hits to each other; a CPU engine joining makes the next stores hashed, while the
+    blocks stored before it stay misses to it (never a block it could not check)."""
+    writer = Engine(pool.name, row_sums=True)
+    reader = Engine(pool.name, row_sums=True)
+    cpu = None
+    try:
+        gate.set()
+        for engine, tag in ((writer, "wu"), (reader, "ru")):  # each worker maps the pool
+            engine.store(tag, hashes(tag, 1), 1)
+            engine.steps_until(lambda e=engine: not e.core.has_jobs())
+            assert engine.index.row_sum_reader and engine.index.needs_xxh3 is False
+        gate.clear()  # a hash would wait here: none may run
+        tags = hashes("n", 3)
+        keys = NS.keys(tags)
+        written = writer.store("w", tags, 2)
+        assert [s[0] for s in writer.index.checksums(keys)] == [None] * 3
+        assert not writer.core.has_jobs() and writer.worker.checks.hashing_later == 0
+        assert not [job for jobs in writer.jobs for job in jobs.stores][-1].hash_later
+        hits, events = reader.load("r", tags)
+        assert hits == 3 and events.finished_loads == {"r"} and not events.failed_loads
+        for i in range(3):
+            assert torch.equal(reader.rows[i], written[i])
+        cpu = Engine(pool.name, row_sums=False)  # its lease needs xxh3s
+        assert cpu.load("c", tags)[0] == 0
+        gate.set()
+        later = hashes("h", 2)
+        written = writer.store("w2", later, 3)
+        writer.steps_until(lambda: not writer.core.has_jobs())
+        assert writer.core.take_counters().late_hash_mismatches == 0
+        assert writer.index.checksums(NS.keys(later)) == sums_of(written, NS.keys(later))
+        hits, events = cpu.load("c2", later)
+        assert hits == 2 and events.finished_loads == {"c2"}
+        for i in range(2):
+            assert torch.equal(cpu.rows[i], written[i])
+        assert cpu.load("c3", tags)[0] == 0  # stored before it joined: never hashed
+    finally:
+        gate.set()
+        for engine in (writer, reader, cpu):
+            if engine is not None:
+                engine.close()
+
+
+def test_reads_notices_set_what_a_store_is_told(pool: PoolProcess) -> None:
+    """The daemon's `reads` notice and `prepare_stores`' last field: a store's blocks are to be
+    hashed while any lease of its namespaces needs xxh3s (every lease until it says otherwise;
+    another model's lease does not count); a lease reading by xxh3 that needs none, or a value
+    that is not a bool, is refused (the client is dropped, nothing else changes)."""
+    one = PoolClient(pool.name, [NS], 1)
+    two = PoolClient(pool.name, [NS], 1)
+    other = PoolClient(pool.name, [OTHER_NS], 1)
+    try:
+        def hash_later(tag: str) -> bool:
+            (plan,) = one.request(protocol.PREPARE_STORES, [NS.keys(hashes(tag, 1))])
+            one.notify(protocol.COMPLETE_STORE, plan[0], [False], [None])
+            return plan[6]
+
+        assert hash_later("a") is True
+        one.notify(protocol.READS, True, False)
+        assert hash_later("b") is True  # the second lease still needs them
+        two.notify(protocol.READS, True, False)
+        two.request(protocol.STATS)  # its notice is applied before this answer
+        assert hash_later("c") is False  # another model's lease needs them: not for these
+        two.notify(protocol.READS, True, True)  # a tier below
+        two.request(protocol.STATS)
+        assert hash_later("d") is True
+        for bad in ((False, False), (1, True), (True, None)):
+            victim = PoolClient(pool.name, [NS], 1)
+            victim.notify(protocol.READS, *bad)
+            with pytest.raises(PoolError):
+                victim.request(protocol.STATS)
+            victim.close()
+        assert hash_later("e") is True and stats(pool.name)["stored"] == 0
+    finally:
+        for each in (one, two, other):
+            each.close()
+
+
+def test_a_worker_that_takes_no_row_sums_checks_an_unhashed_block_by_its_row_sum_on_the_host(
+        pool: PoolProcess, gate: threading.Event) -> None:
+    """An engine declared a row-sum reader (as a GPU engine is from its start) whose worker's
+    copy engine takes no row sums: a block committed by row sums, not hashed yet, is checked on
+    the host by the row sum it was committed with, and loads with its bytes; a flipped byte in
+    one fails the load from that block on, counted, the block before it loaded. Once the worker
+    said it takes none, the engine reads by xxh3 (its lookups skip blocks not hashed)."""
+    writer = Engine(pool.name, row_sums=True)
+    first = Engine(pool.name, row_sums=False, row_sum_reader=True)
+    second = Engine(pool.name, row_sums=False, row_sum_reader=True)
+    try:
+        tags = hashes("host", 3)
+        keys = NS.keys(tags)
+        written = writer.store("w", tags, 4)  # committed by row sums: its hashes wait (gate)
+        assert [s[0] for s in writer.index.checksums(keys)] == [None] * 3
+        hits, events = first.load("a", tags)
+        assert hits == 3 and events.finished_loads == {"a"} and not events.failed_loads
+        for i in range(3):
+            assert torch.equal(first.rows[i], written[i])
+        assert first.core.take_counters().checksum_failures == 0
+        assert (first.index.row_sum_reader, first.index.needs_xxh3) == (False, True)
+        assert first.core.lookup("a2", tags, 0, len(tags) * BS + 1) == 0
+        (store,) = [job for jobs in writer.jobs for job in jobs.stores]
+        writer.worker.pool.slots[store.slots[1], 7] ^= 0x01
+        hits, events = second.load("b", tags)
+        assert hits == 3 and events.failed_loads == {"b"}
+        assert torch.equal(second.rows[0], written[0])
+        assert (second.rows[1] == POISON).all()
+        assert second.core.take_counters().checksum_failures == 1
+    finally:
+        gate.set()
+        for engine in (writer, first, second):
+            engine.close()
+
+
+def test_an_engine_reads_by_row_sums_once_every_worker_said_so(pool: PoolProcess,
+                                                               tmp_path: Path) -> None:
+    """The scheduler core tells the pool how it reads from its workers' reports: by row sums
+    once every rank said it checks loads so (needing xxh3s only with a tier below), by xxh3 as
+    soon as one said it does not; `read_by_row_sums` says so ahead of the reports (a GPU
+    engine's adapter), until a report says otherwise. The pool then asks a store to hash only
+    where a lease needs the xxh3s."""
+    index = SharedIndex(pool.name, NS, 4096, retry_s=0.0)
+    disk_index = SharedIndex(pool.name, NS, 4096, retry_s=0.0)
+    core = OffloadScheduler(NS, index.num_slots, BS, 2, index=index)
+    with_disk = OffloadScheduler(NS, index.num_slots, BS, 1, index=disk_index,
+                                 tiers=[DiskPlanner(NS, DISK_SLOTS, "lru", "evict", {})])
+    try:
+        def reads() -> tuple[bool, bool]:
+            return index.row_sum_reader, index.needs_xxh3
+
+        assert reads() == (False, True)
+        core.complete(JobReport(row_sum_reads={0: True}))
+        assert reads() == (False, True)  # rank 1 has not said
+        core.complete(JobReport(row_sum_reads={1: True}))
+        assert reads() == (True, False)
+        core.complete(JobReport(row_sum_reads={1: False}))
+        assert reads() == (False, True)
+        core.read_by_row_sums()
+        assert reads() == (True, False)
+        core.complete(JobReport(row_sum_reads={0: True}))
+        assert reads() == (True, False)
+        with_disk.read_by_row_sums()
+        assert (disk_index.row_sum_reader, disk_index.needs_xxh3) == (True, True)
+        index.pool_stats()
+        disk_index.pool_stats()  # both notices applied
+        assert index.prepare_store(NS.keys(hashes("hl", 1))).hash_later  # the disk's lease
+        disk_index.close()  # its lease goes once the daemon sees the socket closed
+        deadline = time.monotonic() + TIMEOUT_S
+        while index.prepare_store(NS.keys(hashes(f"hm{time.monotonic()}", 1))).hash_later:
+            assert time.monotonic() < deadline, "the closed lease still counts"
+            time.sleep(0.01)
+        core.complete(JobReport(row_sum_reads={1: False}))
+        assert reads() == (False, True)
+        assert index.prepare_store(NS.keys(hashes("hn", 1))).hash_later
+    finally:
+        core.close()
+        with_disk.close()
+        for each in (index, disk_index):
+            each.close()

@@ -62,3 +62,82 @@ def test_a_reader_the_log_left_behind_gets_the_whole_list() -> None:
 def test_a_bad_sequence_number_is_refused(since: object) -> None:
     with pytest.raises(ValueError, match="changes since"):
         make().changes(1, since)  # type: ignore[arg-type]
+
+
+def row_sum_commit(index: SharedBlockIndex, client: int, keys: list[bytes]) -> list[int]:
+    """Store `keys` committed by row sums only (xxh3s nil); their slots."""
+    plan = index.prepare_store(client, keys)
+    index.complete_store(client, plan.keys, [True] * len(plan.keys),
+                         [[None, 10 + i] for i in range(len(plan.keys))])
+    return plan.slots
+
+
+def replay(changes: list[list[object]], held: set[bytes] | None = None) -> set[bytes]:
+    held = set() if held is None else held
+    for stored, key in changes:
+        (held.add if stored else held.discard)(key)  # type: ignore[arg-type]
+    return held
+
+
+def test_each_lease_sees_a_block_committed_by_row_sums_when_it_can_load_it() -> None:
+    """A commit by row sums is a store to a row-sum reader at once and to an xxh3 reader once
+    hashed; one dropped by a nil late hash, or removed before its hash, was only ever the row-sum
+    reader's: a replay of each lease's changes (and its whole list) is what it can load."""
+    index = make(num_slots=8)
+    index.reads(1, True, False)
+    keys = A.keys([b"r0", b"r1", b"r2", b"r3"])
+    slots = row_sum_commit(index, 1, keys)
+    assert sorted(index.changes(1, 0)[2]) == [[True, key] for key in keys]
+    assert index.changes(2, 0)[2] == []
+    assert index.add_sums(1, keys[:2], [[5, 10], [None, 11]], slots[:2]) == [True, True]
+    index.discard(1, [keys[2]])  # before its hash
+    index.discard(1, [keys[0]])  # after its hash
+    loadable = {1: {keys[3]}, 2: set()}
+    for client in (1, 2):
+        assert replay(index.changes(client, 0)[2]) == loadable[client]
+        nxt, whole, held = index.changes(client, -1)
+        assert whole and replay(held) == loadable[client]
+        assert [index.lookup(client, [key]) for key in keys] == \
+            [int(key in loadable[client]) for key in keys]
+    assert index.changes(2, 0)[2] == [[True, keys[0]], [False, keys[0]]]
+
+
+def test_a_lease_that_changes_how_it_reads_gets_the_whole_list_next() -> None:
+    """A lease following the log by xxh3 that turns to row sums: blocks committed by row sums
+    before were never in its changes, so its next read is the whole list (then the log again)."""
+    index = make(num_slots=8)
+    keys = A.keys([b"s0", b"s1"])
+    row_sum_commit(index, 1, keys)
+    nxt, whole, _ = index.changes(2, -1)
+    assert index.changes(2, nxt) == [nxt, False, []]
+    index.reads(2, True, True)
+    nxt, whole, held = index.changes(2, nxt)
+    assert whole and held == [[True, key] for key in keys]  # in the order they were stored
+    assert index.changes(2, nxt) == [nxt, False, []]
+    index.reads(2, True, False)  # the same reading: no whole list
+    assert index.changes(2, nxt) == [nxt, False, []]
+
+
+def test_stores_are_hashed_while_a_lease_of_their_namespace_needs_xxh3s() -> None:
+    index = make()
+    assert index.hash_later(1)  # every lease needs them until it says otherwise
+    index.reads(1, True, False)
+    assert index.hash_later(1)  # lease 2, an engine of the same model
+    index.reads(2, True, False)
+    assert not index.hash_later(1) and not index.hash_later(2)  # lease 3: another model
+    assert index.hash_later(3)
+    index.open(4, [A.digest, B.digest], 1000)
+    assert index.hash_later(1)
+    index.release(4)
+    assert not index.hash_later(1)
+
+
+@pytest.mark.parametrize("row_sums, needs", [(False, False), (1, True), (True, None)])
+def test_a_bad_reads_notice_is_refused_and_changes_nothing(row_sums: object,
+                                                          needs: object) -> None:
+    index = make()
+    index.reads(1, True, False)
+    with pytest.raises(ValueError, match="xxh3"):
+        index.reads(1, row_sums, needs)  # type: ignore[arg-type]
+    lease = index.leases[1]
+    assert (lease.row_sum_reader, lease.needs_xxh3, lease.whole_changes) == (True, False, True)

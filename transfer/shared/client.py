@@ -9,7 +9,9 @@ bounds a hung one, generously: a busy host must not turn a slow answer into a lo
 
 A block committed with row sums only (its xxh3s attached later, `add_sums`) is a hit to a
 `row_sum_reader` index (its workers check loads by row sums) and a miss to any other until
-its xxh3s are attached: the daemon answers each lease as it declared.
+its xxh3s are attached: the daemon answers each lease as it declared (`reads`). Its xxh3s are
+taken only where some lease needs them (`needs_xxh3`: it reads by xxh3, or keeps blocks in a
+tier below): each StorePlan says so (`hash_later`).
 """
 
 from __future__ import annotations
@@ -97,15 +99,19 @@ class SharedIndex:
 
     `segment` names the shared memory the slots live in and `epoch` counts connections: a job
     planned under an older epoch belongs to a lease that is gone, and its completion must not
-    reach the index (OffloadScheduler checks). `row_sum_reader`: every worker checks loads by
-    row sums (GPU workers whose copy engine sums rows), so blocks not yet hashed are hits.
+    reach the index (OffloadScheduler checks). How it reads (`reads`, also later): with
+    `row_sum_reader` every worker checks loads by row sums (GPU workers whose copy engine sums
+    rows), so blocks not yet hashed are hits; `needs_xxh3`: it needs blocks' xxh3s (it reads by
+    xxh3, or keeps blocks in a tier below).
     """
 
     def __init__(self, name: str, namespace: Namespace, entry_bytes: int, *,
                  timeout_s: float = 30.0, retry_s: float = 1.0,
-                 directory: Path | None = None, row_sum_reader: bool = False) -> None:
+                 directory: Path | None = None, row_sum_reader: bool = False,
+                 needs_xxh3: bool = True) -> None:
+        _check_reads(row_sum_reader, needs_xxh3)
         self.name = name
-        self.row_sum_reader = row_sum_reader
+        self.row_sum_reader, self.needs_xxh3 = row_sum_reader, needs_xxh3
         # the checksums of the keys the last prepare_stores evicted (a tier below keeps them)
         self.evicted_sums: dict[bytes, list[int | None] | None] = {}
         self.namespace = namespace
@@ -144,8 +150,8 @@ class SharedIndex:
             return None
         self._client = client
         self.epoch += 1
-        if self.row_sum_reader:
-            self._notice(p.ROW_SUM_READER)
+        if self.row_sum_reader or not self.needs_xxh3:  # else as a new lease is
+            self._notice(p.READS, self.row_sum_reader, self.needs_xxh3)
         self.segment, self.num_slots, self.slot_bytes = (client.info.segment,
                                                          client.info.num_slots,
                                                          client.info.slot_bytes)
@@ -176,6 +182,13 @@ class SharedIndex:
         except PoolError:
             self._lost()
 
+    def reads(self, row_sum_reader: bool, needs_xxh3: bool) -> None:
+        """Read from now on as declared (see the class doc), on this lease and later ones."""
+        _check_reads(row_sum_reader, needs_xxh3)
+        if (row_sum_reader, needs_xxh3) != (self.row_sum_reader, self.needs_xxh3):
+            self.row_sum_reader, self.needs_xxh3 = row_sum_reader, needs_xxh3
+            self._notice(p.READS, row_sum_reader, needs_xxh3)
+
     @property
     def connected(self) -> bool:
         return self._client is not None
@@ -205,7 +218,7 @@ class SharedIndex:
         self.evicted_sums = {}
         if answer is None:
             return [StorePlan([], [], keys, [], []) for keys in lists]
-        plans = [StorePlan(*fields[:5]) for fields in answer]
+        plans = [StorePlan(*fields[:5], hash_later=bool(fields[6])) for fields in answer]
         for fields in answer:
             self.evicted_sums.update(zip(fields[3], fields[5], strict=True))
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
@@ -296,3 +309,9 @@ class SharedIndex:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _check_reads(row_sum_reader: bool, needs_xxh3: bool) -> None:
+    if not row_sum_reader and not needs_xxh3:
+        raise ValueError("an index whose workers check loads by xxh3 needs the blocks' xxh3s: "
+                         "needs_xxh3=False takes row_sum_reader=True")

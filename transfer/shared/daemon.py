@@ -452,8 +452,10 @@ class PoolDaemon:
             return index.lookup(client.id, args[0])
         if verb == p.PREPARE_STORES:
             plans = index.prepare_stores(client.id, args[0])
+            hash_later = index.hash_later(client.id)
             return [[plan.keys, plan.slots, plan.not_placed, plan.evicted, plan.evicted_slots,
-                     [index.evicted_sums.get(key) for key in plan.evicted]] for plan in plans]
+                     [index.evicted_sums.get(key) for key in plan.evicted], hash_later]
+                    for plan in plans]
         if verb == p.PREPARE_LOAD:
             return index.prepare_load(client.id, args[0])
         if verb == p.CHECKSUMS:
@@ -471,8 +473,8 @@ class PoolDaemon:
             self.index.complete_load(client, args[0])
         elif verb == p.DISCARD:
             self.index.discard(client, args[0])
-        elif verb == p.ROW_SUM_READER:
-            self.index.read_row_sums(client)
+        elif verb == p.READS:
+            self.index.reads(client, args[0], args[1])
         else:
             self.index.clear(client)
 

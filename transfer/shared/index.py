@@ -16,13 +16,22 @@ daemon never hashes (its loop would cap commits near one core's hash rate).
 A GPU writer commits as soon as its copy is done, with its row sums only (the xxh3s nil: the
 GPU took the row sums on the way, host hashing would hold the commit), and attaches the xxh3s
 later (`add_sums`), hashed from the slot once its row sums matched the commit again. Until then
-the block is readable only to a lease that checks by row sums (`row_sum_reader`): to any other
-it is a miss (`lookup`), and a load of it pins nothing (`prepare_load`); it is in the change log
-(`changes`) only once its xxh3s are attached. The index keeps, per block not yet hashed, the
-lease that committed it and its slot: `add_sums` attaches (or, nil, drops) only where the key is
-still not hashed, was committed by the same lease, in the slot named, with the same row sums (a
-block evicted and stored again since, by another lease or in another slot, keeps its own; a
-block is never given an xxh3 over one it has).
+the block is readable only to a lease that checks by row sums (`reads`): to any other it is a
+miss (`lookup`), and a load of it pins nothing (`prepare_load`). The index keeps, per block not
+yet hashed, the lease that committed it and its slot: `add_sums` attaches (or, nil, drops) only
+where the key is still not hashed, was committed by the same lease, in the slot named, with the
+same row sums (a block evicted and stored again since, by another lease or in another slot,
+keeps its own; a block is never given an xxh3 over one it has).
+
+The xxh3s are taken only where a reader needs them: each lease declares whether it does (it
+checks loads by xxh3, or keeps blocks in a tier below, which checks them by xxh3), every lease
+needs them until it says otherwise, and `prepare_stores` tells the writer whether any lease of
+its namespaces needs them now (`hash_later`). A block stored while none did stays hashed by row
+sums only: a miss to a lease that joins later needing xxh3s, never a wrong block.
+
+The change log (`changes`, for KV events) gives each lease what it can load: a commit by row
+sums is a store to the leases that read by row sums at once, and to the others once its xxh3s
+are attached; a block that leaves before it was hashed is a removal to the former only.
 
 Any client may be hostile or buggy: every verb checks all it is given before it changes
 anything (a bad key, a key named twice in a commit, a checksum that is not a uint64: nothing
@@ -50,32 +59,46 @@ MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
 Sums = list[int | None]  # a block's checksums: its xxh3s (nil until hashed), then its row sums
 
 
+# What a change log entry says, and to whom: (to a lease reading by row sums, to any other),
+# each True (stored), False (removed) or None (no change to it).
+REMOVED, STORED = 0, 1  # a hashed block (or one committed with its xxh3s): to every lease
+ROW_SUMS_STORED = 2  # committed by row sums only: loadable by row-sum readers from now on
+HASHED = 3  # its xxh3s attached: loadable by every lease from now on
+ROW_SUMS_REMOVED = 4  # a block never hashed left: row-sum readers only ever had it
+_MEANING = {REMOVED: (False, False), STORED: (True, True), ROW_SUMS_STORED: (True, None),
+            HASHED: (None, True), ROW_SUMS_REMOVED: (False, None)}
+
+
 class ChangeLog:
-    """The last MAX_LOG commits and removals of readable blocks, numbered in order, for the
-    engines that publish KV events (each reads what changed since its last read, once a step):
-    a block another engine stored or evicted is in every reader's stream, without a round trip
-    per block."""
+    """The last MAX_LOG commits and removals of blocks, numbered in order, for the engines that
+    publish KV events (each reads what changed since its last read, once a step): a block
+    another engine stored or evicted is in every reader's stream, without a round trip per
+    block; each entry says what it means to a lease that reads by row sums and to any other
+    (`_MEANING`)."""
 
     def __init__(self, size: int = MAX_LOG) -> None:
-        self._entries: deque[tuple[bool, bytes]] = deque(maxlen=size)
+        self._entries: deque[tuple[int, bytes]] = deque(maxlen=size)
         self.next_seq = 0  # the number the next entry gets
 
-    def add(self, stored: bool, keys: Sequence[bytes]) -> None:
-        self._entries.extend((stored, key) for key in keys)
+    def add(self, kind: int, keys: Sequence[bytes]) -> None:
+        self._entries.extend((kind, key) for key in keys)
         self.next_seq += len(keys)
 
-    def since(self, seq: int, namespaces: frozenset[bytes],
+    def since(self, seq: int, namespaces: frozenset[bytes], row_sums: bool = False,
               limit: int = MAX_ANSWER_CHANGES) -> tuple[int, list[list[object]]] | None:
-        """(the number to ask from next, [[stored, key], ...] of `namespaces` from `seq` on);
-        None when entries from `seq` on are gone (the reader fell behind by over MAX_LOG)."""
+        """(the number to ask from next, [[stored, key], ...] of `namespaces` from `seq` on, as
+        a lease reading by row sums or not sees them); None when entries from `seq` on are gone
+        (the reader fell behind by over MAX_LOG)."""
         first = self.next_seq - len(self._entries)
         if seq < first:
             return None
+        side = 0 if row_sums else 1
         out: list[list[object]] = []
         at = seq
-        for stored, key in list(self._entries)[seq - first:seq - first + limit]:
+        for kind, key in list(self._entries)[seq - first:seq - first + limit]:
             at += 1
-            if key[:DIGEST_BYTES] in namespaces:
+            stored = _MEANING[kind][side]
+            if stored is not None and key[:DIGEST_BYTES] in namespaces:
                 out.append([stored, key])
         return at, out
 
@@ -90,6 +113,8 @@ class Lease:
     storing: set[bytes] = field(default_factory=set)
     pins: Counter[bytes] = field(default_factory=Counter)
     row_sum_reader: bool = False  # checks loads by row sums: loads blocks not yet hashed
+    needs_xxh3: bool = True  # reads by xxh3 or keeps blocks below: stored blocks get hashed
+    whole_changes: bool = False  # it changed how it reads: its next `changes` is the whole list
 
     def held(self) -> dict[str, int]:
         """What it holds now (the daemon's stats, per client)."""
@@ -170,9 +195,25 @@ class SharedBlockIndex:
             return first
         return found
 
-    def read_row_sums(self, client: int) -> None:
-        """The client checks its loads by row sums: blocks not yet hashed are its hits too."""
-        self.leases[client].row_sum_reader = True
+    def reads(self, client: int, row_sums: bool, needs_xxh3: bool) -> None:
+        """How the client reads from now on: whether it checks its loads by row sums (blocks
+        not yet hashed are its hits too), and whether it needs blocks' xxh3s (it checks some
+        loads by xxh3, or keeps blocks in a tier below). A lease that reads by xxh3 needs them."""
+        if type(row_sums) is not bool or type(needs_xxh3) is not bool:
+            raise ValueError(f"reads takes two bools (by row sums, needs xxh3s), got "
+                             f"{brief(row_sums)}, {brief(needs_xxh3)}")
+        if not row_sums and not needs_xxh3:
+            raise ValueError("a lease that checks its loads by xxh3 needs the blocks' xxh3s")
+        lease = self.leases[client]
+        lease.whole_changes |= lease.row_sum_reader != row_sums  # it sees other blocks now
+        lease.row_sum_reader, lease.needs_xxh3 = row_sums, needs_xxh3
+
+    def hash_later(self, client: int) -> bool:
+        """Whether a block this client commits by row sums must get its xxh3s: some lease of
+        its namespaces (its own included) needs them."""
+        namespaces = self.leases[client].namespaces
+        return any(lease.needs_xxh3 and not lease.namespaces.isdisjoint(namespaces)
+                   for lease in self.leases.values())
 
     def prepare_stores(self, client: int, key_lists: Sequence[Sequence[bytes]]
                        ) -> list[StorePlan]:
@@ -191,7 +232,7 @@ class SharedBlockIndex:
     def _place(self, client: int, keys: list[bytes]) -> StorePlan:
         plan = self.index.prepare_store(keys)
         namespaces = self.leases[client].namespaces
-        published = [key for key in plan.evicted if key not in self._unhashed]
+        self._log_removed(plan.evicted)
         for key in plan.evicted:  # the requester's: what its tier below needs to check them
             sums = self._drop_sums(key)
             if key[:DIGEST_BYTES] not in namespaces or not sums or sums[0] is None \
@@ -199,7 +240,6 @@ class SharedBlockIndex:
                 continue  # another's, not hashed (never written below) or past the bound
             self.evicted_sums[key] = sums
             self._evicted_count += len(sums)
-        self.log.add(False, published)
         self.leases[client].storing.update(plan.keys)
         return plan
 
@@ -246,20 +286,23 @@ class SharedBlockIndex:
                 raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
             if ok:
                 _check_sums(key, block_sums, unhashed=True)
+        storing = lease.storing
         held = [(key, ok, block_sums) for key, ok, block_sums in zip(keys, flags, sums,
                                                                      strict=True)
-                if key in lease.storing]
-        self.index.complete_store([key for key, *_ in held], [ok for _, ok, _ in held])
-        committed = []
-        for key, ok, block_sums in held:
-            lease.storing.discard(key)
-            if ok and self.index.contains(key):  # not if removed while it was being stored
+                if key in storing]
+        slots = self.index.complete_store([key for key, *_ in held], [ok for _, ok, _ in held])
+        committed, by_row_sums = [], []
+        for (key, _, block_sums), slot in zip(held, slots, strict=True):
+            storing.discard(key)
+            if slot is not None:  # committed (not removed while it was being stored)
                 self._sums[key] = list(block_sums)
-                if block_sums[0] is None:  # readable to xxh3 readers (logged) once hashed
-                    self._unhashed[key] = (client, self.index.slot_of(key))
+                if block_sums[0] is None:  # readable to xxh3 readers once hashed
+                    self._unhashed[key] = (client, slot)
+                    by_row_sums.append(key)
                 else:
                     committed.append(key)
-        self.log.add(True, committed)
+        self.log.add(STORED, committed)
+        self.log.add(ROW_SUMS_STORED, by_row_sums)
 
     def add_sums(self, client: int, keys: Sequence[bytes], sums: Sequence[Sums],
                  slots: Sequence[int]) -> list[bool]:
@@ -299,7 +342,7 @@ class SharedBlockIndex:
                 self._sums[key] = list(block_sums)
                 del self._unhashed[key]
                 attached.append(key)
-        self.log.add(True, attached)  # readable to every reader from now on
+        self.log.add(HASHED, attached)  # readable to every reader from now on
         if dropped:
             self.discard(client, dropped)
         return applied
@@ -315,11 +358,16 @@ class SharedBlockIndex:
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
         keys = self._own(client, keys)
-        self.log.add(False, [key for key in keys  # a block not yet hashed was never logged
-                             if self.index.contains(key) and key not in self._unhashed])
+        self._log_removed([key for key in keys if self.index.contains(key)])
         self.index.discard(keys)
         for key in keys:
             self._drop_sums(key)
+
+    def _log_removed(self, keys: Sequence[bytes]) -> None:
+        """Committed blocks leaving the index: to every lease, or to the row-sum readers only
+        where never hashed (no other lease ever had them)."""
+        self.log.add(REMOVED, [key for key in keys if key not in self._unhashed])
+        self.log.add(ROW_SUMS_REMOVED, [key for key in keys if key in self._unhashed])
 
     def _drop_sums(self, key: bytes) -> Sums | None:
         """Forget a key's checksums (it left the index); returns them."""
@@ -333,22 +381,28 @@ class SharedBlockIndex:
         self.discard(client, mine)
 
     def changes(self, client: int, since: int) -> list[object]:
-        """[next number, whole, [[stored, key], ...]]: the commits (of a block committed by row
-        sums: when its xxh3s were attached) and removals of the client's namespaces' readable
-        blocks from number `since` on; or, for `since` -1 or one the log
-        no longer holds, every readable block of them now (`whole` True: the reader replaces
-        what it knew)."""
+        """[next number, whole, [[stored, key], ...]]: the commits and removals of the client's
+        namespaces' blocks it can load (ChangeLog: a block committed by row sums is stored to a
+        row-sum reader at its commit, to any other once its xxh3s are attached) from number
+        `since` on; or, for `since` -1, one the log no longer holds, or the first call since
+        the client changed how it reads, every block of them it can load now (`whole` True:
+        the reader replaces what it knew)."""
         if isinstance(since, bool) or not isinstance(since, int) or since < -1 \
                 or since > self.log.next_seq:
             raise ValueError(f"changes since {brief(since)}: a number from -1 to "
                              f"{self.log.next_seq}")
-        namespaces = self.leases[client].namespaces
-        found = None if since < 0 else self.log.since(since, namespaces)
+        lease = self.leases[client]
+        namespaces, row_sums = lease.namespaces, lease.row_sum_reader
+        found = None if since < 0 or lease.whole_changes else \
+            self.log.since(since, namespaces, row_sums)
         if found is not None:
             return [found[0], False, found[1]]
-        held = [[True, key] for key in self.index.held_keys()
+        lease.whole_changes = False
+        # A store places its keys last first (a prefix's tail is evicted first): reversed, each
+        # store's blocks come in their order, so an event can carry a chain of them whole.
+        held = [[True, key] for key in reversed(self.index.held_keys())
                 if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)
-                and key not in self._unhashed]
+                and (row_sums or key not in self._unhashed)]
         return [self.log.next_seq, True, held]
 
     def _own(self, client: int, keys: Sequence[bytes], unique: bool = False) -> list[bytes]:
@@ -376,15 +430,17 @@ def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
     """ValueError unless `sums` is a block's checksum list: 1 to MAX_BLOCK_SUMS uint64s; with
     `unhashed`, also its xxh3s nil and then as many row sums (a commit by row sums only). Runs
     per block of every commit: the message is built only for a list that fails."""
-    if not isinstance(sums, list | tuple) or not 0 < len(sums) <= MAX_BLOCK_SUMS:
+    kind = type(sums)
+    if (kind is not list and kind is not tuple) or not 0 < len(sums) <= MAX_BLOCK_SUMS:
         raise ValueError(f"{_unsummed(key)} (1 to {MAX_BLOCK_SUMS} uint64s): got {brief(sums)}")
-    nils = 0
+    values = sums
     if unhashed and sums[0] is None:  # row sums only: [nil per rank..., row sum per rank...]
         nils = len(sums) // 2
-        if len(sums) % 2 or any(value is not None for value in sums[:nils]):
+        if len(sums) % 2 or sums[:nils].count(None) != nils:
             raise ValueError(f"{_unsummed(key)}: a commit by row sums has a nil per rank, then "
                              f"a row sum per rank, got {brief(sums)}")
-    for value in sums[nils:]:
+        values = sums[nils:]
+    for value in values:
         if type(value) is not int or not 0 <= value < _UINT64_END:  # an exact int: not a bool
             raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
 

@@ -29,9 +29,11 @@ import msgpack
 
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
-PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's fields, in order,
-#                                    then the evicted keys' checksums (None: another client's
-#                                    namespace's, not hashed yet, or past MAX_EVICTED_SUMS)
+PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's first five fields,
+#                                    in order, then the evicted keys' checksums (None: another
+#                                    client's namespace's, not hashed yet, or past
+#                                    MAX_EVICTED_SUMS), then whether a block committed by row
+#                                    sums must get its xxh3s (StorePlan.hash_later)
 PREPARE_LOAD = "prepare_load"  # (keys) -> [slots, checksums (block_sums)], all pinned; None when
 #                                one is not stored
 CHECKSUMS = "checksums"  # (keys) -> per key: the checksums it was committed with, or None
@@ -41,18 +43,19 @@ STATS = "stats"  # () -> dict
 ADD_SUMS = "add_sums"  # (keys, per key its xxh3s then its committed row sums (nil xxh3s: drop
 #                        it), per key the slot it was committed in) -> per key whether applied
 #                        (blocks this client committed with row sums only)
-ROW_SUM_READER = "row_sum_reader"  # notice (): this client checks loads by row sums
+READS = "reads"  # notice (by row sums, needs xxh3s): how this client checks its loads, and
+#                  whether it needs blocks' xxh3s (it reads by xxh3, or keeps blocks below)
 COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
 REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS, CHANGES, ADD_SUMS)
-NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR, ROW_SUM_READER)
+NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR, READS)
 
 ARGUMENTS = {HELLO: 2, LOOKUP: 1, PREPARE_STORES: 1, PREPARE_LOAD: 1, CHECKSUMS: 1, STATS: 0,
              CHANGES: 1, ADD_SUMS: 3,
              COMPLETE_STORE: 3, COMPLETE_LOAD: 1, DISCARD: 1, CLEAR: 0,
-             ROW_SUM_READER: 0}  # each verb's count
+             READS: 2}  # each verb's count
 
 MAX_MESSAGE_BYTES = 64 << 20  # the largest answer a client reads
 # The largest request the daemon reads: a prompt's keys (~50 B each: 160,000 keys, 2.6M tokens
