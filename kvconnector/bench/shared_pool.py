@@ -109,12 +109,13 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
             PoolProcess(Path(tmp) / "pool.log", name, capacity=str(3 * n * stride),
                         slot_bytes=str(block_bytes)):
+        # it loads by row sums, and by xxh3 (its lease needs them: it exists before the writer
+        # plans a store, so every store is asked to hash)
+        index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True)
         ours, theirs = ctx.Pipe()
         writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), repeats,
                                                    theirs), daemon=True)
         writer.start()
-        # it loads by row sums (the blocks' xxh3s: once the writer attached them, checked below)
-        index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True)
         checker = SlotChecker()
         pool = cache = engine = None
         try:

@@ -358,6 +358,7 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
         state.jobs.discard(job_id)
         live = job.epoch == self.index.epoch  # else its lease went with an old connection
         late = False  # committed by row sums: its xxh3s still to come
+        committed: list[list[int | None]] | None = None
         if job.is_store:
             if self.checked and not job.failed:
                 committed = self._commit(job.keys, job.sums, live)
@@ -377,8 +378,10 @@ class OffloadScheduler(LoadPlanner, PrefetchPlanner):
                 else:
                     self.events.settled(job.keys)
             self._counters.failed_stores += job.failed
+            # A tier below checks by xxh3: a block committed by row sums that no lease wanted
+            # hashed is not written there.
             if not job.failed and live and job.resets == self._resets and not late \
-                    and job.hash_later:  # else no tier below (nothing that needs xxh3s)
+                    and (committed is None or all(hashed(s) for s in committed)):
                 self._write_stored(job.keys, self._xxh3s(job.keys, job.sums))
         else:
             fetched = [key for _, keys in job.fetches for key in keys]

@@ -397,7 +397,7 @@ def test_a_stale_late_hash_leaves_a_block_stored_again_alone(
             engine.close()
 
 
-def test_a_block_committed_by_row_sums_is_in_the_change_log_once_hashed(
+def test_a_block_committed_by_row_sums_is_in_an_xxh3_readers_change_log_once_hashed(
         pool: PoolProcess) -> None:
     """The change log (KV events) lists a block committed by row sums only once its xxh3s
     are attached, never one dropped by a mismatch; another client can neither attach nor drop

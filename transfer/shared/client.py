@@ -9,9 +9,11 @@ bounds a hung one, generously: a busy host must not turn a slow answer into a lo
 
 A block committed with row sums only (its xxh3s attached later, `add_sums`) is a hit to a
 `row_sum_reader` index (its workers check loads by row sums) and a miss to any other until
-its xxh3s are attached: the daemon answers each lease as it declared (`reads`). Its xxh3s are
-taken only where some lease needs them (`needs_xxh3`: it reads by xxh3, or keeps blocks in a
-tier below): each StorePlan says so (`hash_later`).
+its xxh3s are attached, if ever: the daemon answers each lease as it declared (`reads`). Its
+xxh3s are taken only where some lease needs them (`needs_xxh3`: it reads by xxh3, or keeps
+blocks in a tier below): each StorePlan says so (`hash_later`). A block stored while none did
+stays without them: a lease that needs them later can neither load it nor store it again (the
+key is there) until it is evicted.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ class SharedIndex:
         self.evicted_sums = {}
         if answer is None:
             return [StorePlan([], [], keys, [], []) for keys in lists]
-        plans = [StorePlan(*fields[:5], hash_later=bool(fields[6])) for fields in answer]
+        plans = [StorePlan(*fields[:5], hash_later=bool(fields[6]) if len(fields) > 6 else True)
+                 for fields in answer]
         for fields in answer:
             self.evicted_sums.update(zip(fields[3], fields[5], strict=True))
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
@@ -283,8 +286,8 @@ class SharedIndex:
         """What changed among this namespace's readable blocks since the last call, in the
         daemon's order, in one round trip: (whole, [(stored, key), ...]). `whole`: the list is
         every block readable now, replacing what was known (the first call on a connection, or
-        a reader the daemon's log left behind); no daemon: an empty whole list (nothing is
-        readable)."""
+        a reader the daemon's log left behind, or one that changed how it reads); no daemon: an
+        empty whole list (nothing is readable)."""
         if self._since_epoch != self.epoch:
             self._since, self._since_epoch = -1, self.epoch
         epoch = self.epoch
