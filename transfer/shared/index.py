@@ -366,8 +366,11 @@ class SharedBlockIndex:
     def _log_removed(self, keys: Sequence[bytes]) -> None:
         """Committed blocks leaving the index: to every lease, or to the row-sum readers only
         where never hashed (no other lease ever had them)."""
-        self.log.add(REMOVED, [key for key in keys if key not in self._unhashed])
-        self.log.add(ROW_SUMS_REMOVED, [key for key in keys if key in self._unhashed])
+        hashed, unhashed = [], []
+        for key in keys:
+            (unhashed if key in self._unhashed else hashed).append(key)
+        self.log.add(REMOVED, hashed)
+        self.log.add(ROW_SUMS_REMOVED, unhashed)
 
     def _drop_sums(self, key: bytes) -> Sums | None:
         """Forget a key's checksums (it left the index); returns them."""
