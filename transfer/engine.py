@@ -57,23 +57,63 @@ class CopyResult:
 
 
 @dataclass
+class _Ids:
+    """A job's GPU block ids and slot ids; the sets are made only when another job's conflict
+    check asks (a job submitted while nothing is in flight never needs them)."""
+
+    gpu: np.ndarray
+    slots: np.ndarray
+
+    @functools.cached_property
+    def gpu_set(self) -> frozenset[int]:
+        return frozenset(self.gpu.tolist())
+
+    @functools.cached_property
+    def slot_set(self) -> frozenset[int]:
+        return frozenset(self.slots.tolist())
+
+
+@dataclass
 class _Job:
     job_id: int
     is_store: bool
     nbytes: int
-    gpu_ids: frozenset[int]
-    slot_ids: frozenset[int]
+    ids: _Ids
     completion: Completion
     lane: Lane
     spare: bool  # ran on a spare lane, which goes back to the spare list when reported
 
-    def conflicts(self, is_store: bool, gpu_ids: frozenset[int], slot_ids: frozenset[int]) -> bool:
+    def conflicts(self, is_store: bool, ids: _Ids) -> bool:
         """Must a new job on these ids wait for this one?"""
         if self.is_store != is_store:  # opposite directions: any shared block or slot
-            return not (self.gpu_ids.isdisjoint(gpu_ids) and self.slot_ids.isdisjoint(slot_ids))
+            return not (self.ids.gpu_set.isdisjoint(ids.gpu_set)
+                        and self.ids.slot_set.isdisjoint(ids.slot_set))
         # Same direction: both read one side and write the other; only the written side matters.
-        return not (self.slot_ids.isdisjoint(slot_ids) if is_store
-                    else self.gpu_ids.isdisjoint(gpu_ids))
+        return not (self.ids.slot_set.isdisjoint(ids.slot_set) if is_store
+                    else self.ids.gpu_set.isdisjoint(ids.gpu_set))
+
+
+class _Busy:
+    """How many unreported jobs touch each GPU block and each slot, by direction (a filter: a job
+    whose ids meet nothing that could conflict skips the per-job set checks, so a job beside
+    disjoint ones, or on an idle engine, costs a few numpy gathers before its first copy)."""
+
+    def __init__(self, num_gpu_blocks: int, num_slots: int) -> None:
+        self._gpu = {is_store: np.zeros(num_gpu_blocks, np.int32) for is_store in (True, False)}
+        self._slots = {is_store: np.zeros(num_slots, np.int32) for is_store in (True, False)}
+
+    def add(self, is_store: bool, ids: _Ids, delta: int) -> None:
+        # A repeated id (a store may read one GPU block twice) counts once either way.
+        self._gpu[is_store][ids.gpu] += delta
+        self._slots[is_store][ids.slots] += delta
+
+    def may_conflict(self, is_store: bool, ids: _Ids) -> bool:
+        """False when no unreported job could conflict (see `_Job.conflicts`)."""
+        opposite = not is_store
+        if self._gpu[opposite][ids.gpu].any() or self._slots[opposite][ids.slots].any():
+            return True
+        written = self._slots[True][ids.slots] if is_store else self._gpu[False][ids.gpu]
+        return bool(written.any())
 
 
 class TransferEngine:
@@ -99,6 +139,7 @@ class TransferEngine:
         self._spare: list[Lane] = []
         self._all_spares: list[Lane] = []
         self._jobs: dict[int, _Job] = {}  # accepted and not yet reported, in submission order
+        self._busy = _Busy(self.num_gpu_blocks, self.num_slots)  # what those jobs touch
         self._dropped: dict[int, CopyResult] = {}
         self._closed = False
 
@@ -178,6 +219,7 @@ class TransferEngine:
             if not job.completion.done():
                 continue
             del self._jobs[job_id]
+            self._busy.add(job.is_store, job.ids, -1)
             if job.spare:
                 self._spare.append(job.lane)
             ok, sums, good = job.completion.ok, job.completion.sums, job.completion.good
@@ -249,9 +291,11 @@ class TransferEngine:
             if inflight and inflight + nbytes > self.max_store_bytes:
                 self._dropped[job_id] = CopyResult(job_id, False, 0, 0.0, True)
                 return False
-        gpu_set, slot_set = frozenset(gpu.tolist()), frozenset(slots.tolist())
-        after = [j.completion for j in self._jobs.values()
-                 if j.conflicts(is_store, gpu_set, slot_set) and not j.completion.done()]
+        ids = _Ids(gpu, slots)
+        after: list[Completion] = []
+        if self._busy.may_conflict(is_store, ids):
+            after = [j.completion for j in self._jobs.values()
+                     if not j.completion.done() and j.conflicts(is_store, ids)]
         spare = bool(after)
         lane = self._take_spare() if spare else self._lanes[is_store]
         # Both directions follow what the compute stream queued before submit: a store must copy
@@ -262,8 +306,8 @@ class TransferEngine:
         copy = (RowCopy(job_id, self._store_pairs, gpu, slots, take_sums=take_sums) if is_store
                 else RowCopy(job_id, self._load_pairs, slots, gpu, expect=expect))
         completion = lane.submit(copy, after)
-        self._jobs[job_id] = _Job(job_id, is_store, nbytes, gpu_set, slot_set, completion, lane,
-                                  spare)
+        self._jobs[job_id] = _Job(job_id, is_store, nbytes, ids, completion, lane, spare)
+        self._busy.add(is_store, ids, 1)
         return True
 
     def _checked_ids(self, job_id: int, is_store: bool, gpu_block_ids: object,
@@ -293,17 +337,20 @@ def _ids(values: object, limit: int, what: str) -> np.ndarray:
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{what}s must be integers, got {arr.dtype} values {arr[:4].tolist()}")
     arr = arr.astype(np.int64, copy=False)
-    bad = (arr < 0) | (arr >= limit)
-    if bad.any():
+    # min and max first: a job's ids are checked before its first copy, on its critical path.
+    if arr.size and (arr.min() < 0 or arr.max() >= limit):
+        bad = (arr < 0) | (arr >= limit)
         raise ValueError(f"{what} {int(arr[bad][0])} out of range [0, {limit})")
     return arr
 
 
 def _check_unique(dst: np.ndarray, what: str) -> None:
-    values, counts = np.unique(dst, return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"destination {what} {int(values[counts > 1][0])} appears "
-                         f"{int(counts.max())} times in one job")
+    ordered = np.sort(dst)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        value = int(repeated[0])
+        raise ValueError(f"destination {what} {value} appears {int((dst == value).sum())} "
+                         f"times in one job")
 
 
 def _check_segments(segments: Sequence[Segment]) -> list[Segment]:

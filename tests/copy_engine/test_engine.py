@@ -262,6 +262,47 @@ def test_store_after_load_of_same_block_waits() -> None:
         r.close()
 
 
+def test_reported_jobs_hold_nothing_back() -> None:
+    """What reported jobs touched (a GPU block read twice included) delays no later job; what an
+    unreported one touches still does."""
+    gate = Holder(5, 11)
+    r = Rig(gate=gate)
+    try:
+        assert r.engine.submit_store(1, [3, 3], [7, 8])
+        assert r.engine.submit_load(2, [7], [12])  # waits for store 1 on a spare lane
+        assert r.engine.wait(None, TIMEOUT)
+        assert {j: x.ok for j, x in r.finished().items()} == {1: True, 2: True}
+        spares = len(r.engine._all_spares)
+        assert r.engine.submit_store(5, [0], [0])
+        assert gate.entered[5].wait(TIMEOUT)
+        assert r.engine.submit_load(6, [7, 8], [3, 12])  # the reported jobs' ids only
+        assert r.engine.wait([6], TIMEOUT)
+        assert len(r.engine._all_spares) == spares  # on the load lane, not set aside
+        assert torch.equal(r.cache.block_chunks()[3], r.pool.slots[8])
+        assert r.engine.submit_load(7, [0], [20])  # slot 0: store 5 still writes it
+        assert r.engine.wait([7], timeout=0.2) is False
+        gate.open(5)
+        assert r.engine.wait(None, TIMEOUT)
+        assert all(x.ok for x in r.finished().values())
+        assert torch.equal(r.cache.block_chunks()[20], r.cache.block_chunks()[0])
+        # Two jobs on block 25, the first reported: the second still holds a store of it back.
+        random_fill(r.pool.slots[5], 4)
+        assert r.engine.submit_load(10, [4], [25])
+        assert r.engine.submit_load(11, [5], [25])  # waits for load 10; then held
+        assert gate.entered[11].wait(TIMEOUT)
+        assert set(r.finished()) == {10}
+        assert r.engine.submit_store(12, [25], [10])
+        assert r.engine.wait([12], timeout=0.2) is False
+        gate.open(11)
+        assert r.engine.wait(None, TIMEOUT)
+        assert all(x.ok for x in r.finished().values())
+        assert torch.equal(r.pool.slots[10], r.pool.slots[5])
+    finally:
+        gate.open(5)
+        gate.open(11)
+        r.close()
+
+
 def test_loads_pass_queued_stores() -> None:
     gate = Holder(1)
     r = Rig(gate=gate)
