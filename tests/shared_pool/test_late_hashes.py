@@ -564,7 +564,8 @@ def test_without_a_reader_of_xxh3s_no_block_is_hashed(pool: PoolProcess,
     """Engines that all read by row sums and keep nothing below: once their workers said so,
     their stores commit by row sums and are never hashed (no hash runs, no xxh3 is attached),
     and are hits to each other; a CPU engine joining makes the next stores hashed, while the
-    blocks stored before it stay misses to it (never a block it could not check)."""
+    blocks stored before it are misses to it (never a block it could not check) until its own
+    store of them replaces them."""
     writer = Engine(pool.name, row_sums=True)
     reader = Engine(pool.name, row_sums=True)
     cpu = None
@@ -598,6 +599,18 @@ def test_without_a_reader_of_xxh3s_no_block_is_hashed(pool: PoolProcess,
         for i in range(2):
             assert torch.equal(cpu.rows[i], written[i])
         assert cpu.load("c3", tags)[0] == 0  # stored before it joined: never hashed
+        assert stats(pool.name)["orphans"] == 3
+        # Its store of the prefix it computed replaces them with its own, hashed blocks.
+        mine = fill(cpu.rows, [0, 1, 2], 4)
+        cpu.core.plan_stores("c4", tags, [0, 1, 2], len(tags) * BS)
+        xxh3s = [sums[0] for sums in sums_of(mine, keys)]
+        cpu.steps_until(lambda: [sums and sums[0] for sums in cpu.index.checksums(keys)] == xxh3s)
+        assert stats(pool.name)["orphans"] == 0
+        for engine, req in ((cpu, "c5"), (reader, "r2")):
+            hits, events = engine.load(req, tags)
+            assert hits == 3 and events.finished_loads == {req} and not events.failed_loads
+            for i in range(3):
+                assert torch.equal(engine.rows[i], mine[i])
     finally:
         gate.set()
         for engine in (writer, reader, cpu):

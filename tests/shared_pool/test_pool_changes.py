@@ -141,3 +141,72 @@ def test_a_bad_reads_notice_is_refused_and_changes_nothing(row_sums: object,
         index.reads(1, row_sums, needs)  # type: ignore[arg-type]
     lease = index.leases[1]
     assert (lease.row_sum_reader, lease.needs_xxh3, lease.whole_changes) == (True, False, True)
+
+
+def fleet() -> SharedBlockIndex:
+    """Leases 1 and 2 of model A read by row sums and need no xxh3s (GPU engines, no tier
+    below); lease 3 is model B's."""
+    index = make(num_slots=8)
+    index.reads(1, True, False)
+    index.reads(2, True, False)
+    return index
+
+
+def test_a_block_nobody_was_asked_to_hash_is_replaced_by_a_store_that_needs_xxh3s() -> None:
+    """Committed by row sums under a plan that asked no hashes: an orphan, a hit to row-sum
+    readers, a miss to a lease needing xxh3s; that lease's store of it removes it (a removal in
+    the row-sum readers' log), places the key and commits its own, hashed block."""
+    index = fleet()
+    keys = A.keys([b"o0", b"o1", b"o2"])
+    assert not index.prepare_stores(1, [[]])[0].hash_later
+    old = row_sum_commit(index, 1, keys)
+    assert (index.unhashed, index.orphans) == (3, 3)
+    index.open(4, [A.digest], 1000)  # a CPU engine of model A: needs xxh3s
+    assert index.lookup(4, keys) == 0 and index.lookup(2, keys) == 3
+    nxt = index.changes(2, -1)[0]
+    plan = index.prepare_store(4, keys)
+    assert plan.keys == keys and plan.hash_later and not plan.not_placed
+    assert index.changes(2, nxt)[2] == [[False, key] for key in keys]
+    assert (index.unhashed, index.orphans) == (0, 0)
+    assert index.lookup(2, keys) == 0  # being stored: nobody reads it
+    hashed = [[100 + i, 10 + i] for i in range(3)]
+    index.complete_store(4, plan.keys, [True] * 3, hashed)
+    assert index.lookup(4, keys) == 3 and index.lookup(2, keys) == 3
+    assert index.checksums(4, keys) == hashed
+    assert index.add_sums(1, keys, [[7, 10 + i] for i in range(3)], old) == [False] * 3
+    assert index.checksums(2, keys) == hashed  # the orphan's writer attaches nothing now
+
+
+def test_only_orphans_are_replaced_and_only_by_a_lease_that_needs_xxh3s() -> None:
+    """A block whose plan asked for its xxh3s waits for them (not replaced); a row-sum reader
+    needing no xxh3s never replaces an orphan (its lookups find it); a pinned orphan drains and
+    its key is placed once the pin drops."""
+    index = fleet()
+    orphans = A.keys([b"p0", b"p1"])
+    row_sum_commit(index, 1, orphans)
+    assert index.prepare_store(2, orphans).keys == []  # lease 2 needs no xxh3s: kept
+    index.open(4, [A.digest], 1000)
+    asked = A.keys([b"q0"])
+    plan = index.prepare_store(1, asked)
+    assert plan.hash_later
+    index.complete_store(1, plan.keys, [True], [[None, 5]])
+    assert (index.unhashed, index.orphans) == (3, 2)
+    assert index.prepare_store(4, asked).keys == []  # its xxh3s are coming
+    assert index.prepare_load(2, orphans[:1]) is not None  # lease 2 loads p0: pinned
+    plan = index.prepare_store(4, orphans)
+    assert plan.keys == [] and plan.not_placed == orphans  # p0 drains; placed keys: a prefix
+    assert index.orphans == 0 and index.lookup(2, orphans) == 0
+    index.complete_load(2, orphans[:1])
+    assert index.prepare_store(4, orphans).keys == orphans
+
+
+def test_a_writer_gone_before_its_hashes_leaves_orphans() -> None:
+    index = make(num_slots=8)
+    index.reads(1, True, True)
+    index.reads(2, True, True)
+    keys = A.keys([b"g0", b"g1"])
+    row_sum_commit(index, 1, keys)  # asked to hash them: not orphans yet
+    assert (index.unhashed, index.orphans) == (2, 0)
+    index.release(1)
+    assert (index.unhashed, index.orphans) == (2, 2)
+    assert index.prepare_store(2, keys).keys == keys

@@ -12,8 +12,8 @@ A block committed with row sums only (its xxh3s attached later, `add_sums`) is a
 its xxh3s are attached, if ever: the daemon answers each lease as it declared (`reads`). Its
 xxh3s are taken only where some lease needs them (`needs_xxh3`: it reads by xxh3, or keeps
 blocks in a tier below): each StorePlan says so (`hash_later`). A block stored while none did
-stays without them: a lease that needs them later can neither load it nor store it again (the
-key is there) until it is evicted.
+stays without them (an orphan): a lease that needs them later misses it, and its store of the
+key replaces it.
 """
 
 from __future__ import annotations

@@ -452,9 +452,8 @@ class PoolDaemon:
             return index.lookup(client.id, args[0])
         if verb == p.PREPARE_STORES:
             plans = index.prepare_stores(client.id, args[0])
-            hash_later = index.hash_later(client.id)
             return [[plan.keys, plan.slots, plan.not_placed, plan.evicted, plan.evicted_slots,
-                     [index.evicted_sums.get(key) for key in plan.evicted], hash_later]
+                     [index.evicted_sums.get(key) for key in plan.evicted], plan.hash_later]
                     for plan in plans]
         if verb == p.PREPARE_LOAD:
             return index.prepare_load(client.id, args[0])
@@ -496,7 +495,7 @@ class PoolDaemon:
                 "refused": self.refused, "refused_busy": self.refused_busy,
                 "dropped": self.dropped, "accept_errors": self.accept_errors,
                 "pending_bytes": self._pending_bytes, "unsent_bytes": self._unsent_bytes,
-                "unhashed": self.index.unhashed,
+                "unhashed": self.index.unhashed, "orphans": self.index.orphans,
                 "pinned": sum(sum(lease.pins.values()) for lease in leases.values()),
                 "storing": sum(len(lease.storing) for lease in leases.values()),
                 "leases": held,

@@ -26,8 +26,11 @@ keeps its own; a block is never given an xxh3 over one it has).
 The xxh3s are taken only where a reader needs them: each lease declares whether it does (it
 checks loads by xxh3, or keeps blocks in a tier below, which checks them by xxh3), every lease
 needs them until it says otherwise, and `prepare_stores` tells the writer whether any lease of
-its namespaces needs them now (`hash_later`). A block stored while none did stays hashed by row
-sums only: a miss to a lease that joins later needing xxh3s, never a wrong block.
+its namespaces needs them now (`hash_later`). A block stored while none did, or whose writer
+left before attaching them, is orphaned: nobody will hash it. It stays readable to row-sum
+readers, a miss to any other, and the first lease needing xxh3s that stores the key (having
+missed it) replaces it: the orphan leaves (its slot freed once no load pins it) and the new
+commit takes its place, to be hashed as any other.
 
 The change log (`changes`, for KV events) gives each lease what it can load: a commit by row
 sums is a store to the leases that read by row sums at once, and to the others once its xxh3s
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import DIGEST_BYTES
@@ -111,6 +114,7 @@ class Lease:
     namespaces: frozenset[bytes]
     entry_bytes: int
     storing: set[bytes] = field(default_factory=set)
+    unasked: set[bytes] = field(default_factory=set)  # being stored, its plan asked no hashes
     pins: Counter[bytes] = field(default_factory=Counter)
     row_sum_reader: bool = False  # checks loads by row sums: loads blocks not yet hashed
     needs_xxh3: bool = True  # reads by xxh3 or keeps blocks below: stored blocks get hashed
@@ -131,6 +135,7 @@ class SharedBlockIndex:
         self._sums: dict[bytes, Sums] = {}  # stored keys -> per-rank checksums at commit
         # stored keys committed with row sums only -> (the committing client, their slot)
         self._unhashed: dict[bytes, tuple[int, int]] = {}
+        self._orphans: set[bytes] = set()  # of those, the ones nobody is going to hash
         # the last request's victims of the requester's namespaces, hashed: their checksums
         self.evicted_sums: dict[bytes, Sums] = {}
         self._evicted_count = 0  # checksums in evicted_sums (bounded: MAX_EVICTED_SUMS)
@@ -141,6 +146,11 @@ class SharedBlockIndex:
     def unhashed(self) -> int:
         """Blocks stored with row sums only (their xxh3s not attached yet)."""
         return len(self._unhashed)
+
+    @property
+    def orphans(self) -> int:
+        """Of those, blocks nobody is going to hash (see module doc)."""
+        return len(self._orphans)
 
     def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
         """A new client whose blocks, of the given namespaces, use `entry_bytes` of a slot. One
@@ -164,10 +174,13 @@ class SharedBlockIndex:
         self.leases[client] = Lease(frozenset(namespaces), entry_bytes)
 
     def release(self, client: int) -> None:
-        """The client is gone: its stores fail, its pins drop."""
+        """The client is gone: its stores fail, its pins drop, the blocks it committed and did
+        not hash yet are orphans."""
         lease = self.leases.pop(client, None)
         if lease is None:
             return
+        self._orphans.update(key for key, (writer, _) in self._unhashed.items()
+                             if writer == client)
         self.index.complete_store(list(lease.storing), False)
         pins = Counter(lease.pins)
         while pins:  # complete_load takes each key once per call
@@ -222,16 +235,25 @@ class SharedBlockIndex:
             raise ValueError(f"expected a list of key lists, got {brief(key_lists)}")
         checked = [self._own(client, keys, unique=True) for keys in key_lists]
         self.evicted_sums, self._evicted_count = {}, 0
-        return [self._place(client, keys) for keys in checked]
+        hash_later = self.hash_later(client)
+        return [self._place(client, keys, hash_later) for keys in checked]
 
     def prepare_store(self, client: int, keys: Sequence[bytes]) -> StorePlan:
         keys = self._own(client, keys, unique=True)
         self.evicted_sums, self._evicted_count = {}, 0
-        return self._place(client, keys)
+        return self._place(client, keys, self.hash_later(client))
 
-    def _place(self, client: int, keys: list[bytes]) -> StorePlan:
-        plan = self.index.prepare_store(keys)
-        namespaces = self.leases[client].namespaces
+    def _place(self, client: int, keys: list[bytes], hash_later: bool) -> StorePlan:
+        lease = self.leases[client]
+        if lease.needs_xxh3 and self._orphans:
+            # Orphans it names are misses to it (else it would not store them): replaced.
+            orphans = [key for key in keys if key in self._orphans]
+            self._log_removed(orphans)
+            self.index.discard(orphans)  # a pinned one drains: its key is placed once unpinned
+            for key in orphans:
+                self._drop_sums(key)
+        plan = replace(self.index.prepare_store(keys), hash_later=hash_later)
+        namespaces = lease.namespaces
         self._log_removed(plan.evicted)
         for key in plan.evicted:  # the requester's: what its tier below needs to check them
             sums = self._drop_sums(key)
@@ -240,7 +262,9 @@ class SharedBlockIndex:
                 continue  # another's, not hashed (never written below) or past the bound
             self.evicted_sums[key] = sums
             self._evicted_count += len(sums)
-        self.leases[client].storing.update(plan.keys)
+        lease.storing.update(plan.keys)
+        if not hash_later:
+            lease.unasked.update(plan.keys)
         return plan
 
     def prepare_load(self, client: int, keys: Sequence[bytes]) -> tuple[list[int],
@@ -294,11 +318,15 @@ class SharedBlockIndex:
         committed, by_row_sums = [], []
         for (key, _, block_sums), slot in zip(held, slots, strict=True):
             storing.discard(key)
+            unasked = key in lease.unasked
+            lease.unasked.discard(key)
             if slot is not None:  # committed (not removed while it was being stored)
                 self._sums[key] = list(block_sums)
                 if block_sums[0] is None:  # readable to xxh3 readers once hashed
                     self._unhashed[key] = (client, slot)
                     by_row_sums.append(key)
+                    if unasked:
+                        self._orphans.add(key)
                 else:
                     committed.append(key)
         self.log.add(STORED, committed)
@@ -341,6 +369,7 @@ class SharedBlockIndex:
             elif match:
                 self._sums[key] = list(block_sums)
                 del self._unhashed[key]
+                self._orphans.discard(key)
                 attached.append(key)
         self.log.add(HASHED, attached)  # readable to every reader from now on
         if dropped:
@@ -375,6 +404,7 @@ class SharedBlockIndex:
     def _drop_sums(self, key: bytes) -> Sums | None:
         """Forget a key's checksums (it left the index); returns them."""
         self._unhashed.pop(key, None)
+        self._orphans.discard(key)
         return self._sums.pop(key, None)
 
     def clear(self, client: int) -> None:
