@@ -167,6 +167,11 @@ class BlockIndex:
             raise ValueError(f"key {key.hex()} holds no slot")
         return entry.slot
 
+    def is_idle(self, key: bytes) -> bool:
+        """Stored, and neither being stored nor pinned (removing it frees its slot at once)."""
+        entry = self._entries.get(self._checked(key))
+        return entry is not None and entry.idle
+
     def is_being_stored(self, key: bytes) -> bool:
         """True while a store of `key` is in flight (a load of it must wait for complete_store)."""
         entry = self._entries.get(self._checked(key))

@@ -336,7 +336,7 @@ def _ids(values: object, limit: int, what: str) -> np.ndarray:
         raise ValueError(f"{what}s must be a 1-D sequence, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{what}s must be integers, got {arr.dtype} values {arr[:4].tolist()}")
-    arr = arr.astype(np.int64, copy=False)
+    arr = arr.astype(np.int64)  # a copy: the caller may reuse its array (its job keeps these)
     # min and max first: a job's ids are checked before its first copy, on its critical path.
     if arr.size and (arr.min() < 0 or arr.max() >= limit):
         bad = (arr < 0) | (arr >= limit)

@@ -303,6 +303,31 @@ def test_reported_jobs_hold_nothing_back() -> None:
         r.close()
 
 
+def test_a_callers_id_array_changed_after_submit_changes_nothing() -> None:
+    """The engine keeps its own copy of a job's ids: a caller reusing its array after submit
+    neither loses the job's place in the conflict checks nor moves another's."""
+    gate = Holder(2)
+    r = Rig(gate=gate)
+    try:
+        slots = np.array([5])
+        assert r.engine.submit_store(1, torch.tensor([3]), slots)
+        assert r.engine.wait([1], TIMEOUT)
+        slots[0] = 6
+        assert set(r.finished()) == {1}
+        assert r.engine.submit_store(2, [4], [6])  # held while it writes slot 6
+        assert gate.entered[2].wait(TIMEOUT)
+        assert r.engine.submit_load(3, [6], [10])  # must wait for store 2
+        assert r.engine.wait([3], timeout=0.2) is False
+        gate.open(2)
+        assert r.engine.wait(None, TIMEOUT)
+        assert all(x.ok for x in r.finished().values())
+        assert torch.equal(r.cache.block_chunks()[10], r.cache.block_chunks()[4])
+        assert torch.equal(r.pool.slots[5], r.cache.block_chunks()[3])
+    finally:
+        gate.open(2)
+        r.close()
+
+
 def test_loads_pass_queued_stores() -> None:
     gate = Holder(1)
     r = Rig(gate=gate)

@@ -179,8 +179,8 @@ def test_a_block_nobody_was_asked_to_hash_is_replaced_by_a_store_that_needs_xxh3
 
 def test_only_orphans_are_replaced_and_only_by_a_lease_that_needs_xxh3s() -> None:
     """A block whose plan asked for its xxh3s waits for them (not replaced); a row-sum reader
-    needing no xxh3s never replaces an orphan (its lookups find it); a pinned orphan drains and
-    its key is placed once the pin drops."""
+    needing no xxh3s never replaces an orphan (its lookups find it); a pinned orphan drains, the
+    orphans after it stay, and its key is placed once the pin drops."""
     index = fleet()
     orphans = A.keys([b"p0", b"p1"])
     row_sum_commit(index, 1, orphans)
@@ -194,10 +194,11 @@ def test_only_orphans_are_replaced_and_only_by_a_lease_that_needs_xxh3s() -> Non
     assert index.prepare_store(4, asked).keys == []  # its xxh3s are coming
     assert index.prepare_load(2, orphans[:1]) is not None  # lease 2 loads p0: pinned
     plan = index.prepare_store(4, orphans)
-    assert plan.keys == [] and plan.not_placed == orphans  # p0 drains; placed keys: a prefix
-    assert index.orphans == 0 and index.lookup(2, orphans) == 0
+    assert plan.keys == [] and plan.not_placed == orphans[:1]  # p0 drains
+    assert index.orphans == 1 and index.lookup(2, orphans[1:]) == 1  # p1 stays till then
     index.complete_load(2, orphans[:1])
     assert index.prepare_store(4, orphans).keys == orphans
+    assert index.orphans == 0
 
 
 def test_a_writer_gone_before_its_hashes_leaves_orphans() -> None:

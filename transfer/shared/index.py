@@ -246,8 +246,15 @@ class SharedBlockIndex:
     def _place(self, client: int, keys: list[bytes], hash_later: bool) -> StorePlan:
         lease = self.leases[client]
         if lease.needs_xxh3 and self._orphans:
-            # Orphans it names are misses to it (else it would not store them): replaced.
-            orphans = [key for key in keys if key in self._orphans]
+            # A lease that needs xxh3s names an orphan to store it hashed: replaced. A pinned
+            # one drains and holds back every key after it (placed keys stay a prefix), so the
+            # orphans after it stay, hits to row-sum readers, until a later store.
+            orphans = []
+            for key in keys:
+                if key in self._orphans:
+                    orphans.append(key)
+                    if not self.index.is_idle(key):
+                        break
             self._log_removed(orphans)
             self.index.discard(orphans)  # a pinned one drains: its key is placed once unpinned
             for key in orphans:
