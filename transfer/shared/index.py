@@ -255,10 +255,7 @@ class SharedBlockIndex:
                     orphans.append(key)
                     if not self.index.is_idle(key):
                         break
-            self._log_removed(orphans)
-            self.index.discard(orphans)  # a pinned one drains: its key is placed once unpinned
-            for key in orphans:
-                self._drop_sums(key)
+            self.discard(client, orphans)  # a pinned one drains: placed once unpinned
         plan = replace(self.index.prepare_store(keys), hash_later=hash_later)
         namespaces = lease.namespaces
         self._log_removed(plan.evicted)
