@@ -172,15 +172,18 @@ class TransferEngine:
 
     def submit_load(self, job_id: int, slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
                     gpu_block_ids: Sequence[int] | np.ndarray | torch.Tensor, *,
-                    expect: Sequence[int] | None = None) -> bool:
+                    expect: Sequence[int] | np.ndarray | None = None) -> bool:
         """Queue pool slots -> GPU blocks; always accepted (True). Finished only once on the GPU.
 
-        `expect`: each block's sum (unsigned 64-bit, as a summed store reported it); then only
-        the leading blocks whose slots match are copied (`CopyResult.good`), the others'
-        GPU blocks keep their bytes.
+        `expect`: each block's sum (unsigned 64-bit, as a summed store reported it; fastest as
+        a uint64 array: Python ints are checked one by one); then only the leading blocks whose
+        slots match are copied (`CopyResult.good`), the others' GPU blocks keep their bytes.
         """
         expected = None
-        if expect is not None:
+        if isinstance(expect, np.ndarray) and expect.dtype == np.uint64 and expect.ndim == 1:
+            self._check_can_sum(job_id)
+            expected = expect.view(np.int64).copy()  # its dtype bounds every value; ours
+        elif expect is not None:
             self._check_can_sum(job_id)
             values = list(expect)
             # numpy would take 2.5, "7" or True as ints. The common case (Python ints in range)

@@ -37,14 +37,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
-from kvconnector.offload.jobs import TransferJob
+from kvconnector.offload.jobs import ROW_SUM_DTYPE, TransferJob, pack_row_sums
 from kvconnector.servers.pool import PoolProcess
-from transfer.block_index import StorePlan
+from transfer.block_index import LoadPlan, StorePlan
 from transfer.checksums import hashed
 from transfer.engine import TransferEngine
 from transfer.keys import Namespace
@@ -134,13 +135,14 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 t0 = time.perf_counter()
                 hits = index.lookup_prefix(keys)
                 plan = index.prepare_load(keys)
+                expect = expected_row_sums(plan)
                 t1 = time.perf_counter()
                 if hits != n or plan is None:
                     raise RuntimeError(f"the writer's blocks are not all in the pool: {hits}/{n}")
                 slots = plan.slots
                 if not all(hashed(s) for s in plan.sums):
                     raise RuntimeError("the writer's blocks lack their xxh3s")
-                _load_summed(engine, 2 * r, ids, slots, [s[1] for s in plan.sums])
+                _load_summed(engine, 2 * r, ids, slots, expect)
                 t2 = time.perf_counter()
                 index.complete_load(keys)
                 meta_load.append(t1 - t0 + time.perf_counter() - t2)
@@ -154,7 +156,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             if not torch.equal(loaded.cpu(), pool.slots[slots]):
                 raise RuntimeError("loaded blocks differ from the writer's")
             cache.raw.fill_(0xA5)
-            _load_summed(engine, 2 * repeats + 2, ids, slots, [s[1] for s in plan.sums])
+            _load_summed(engine, 2 * repeats + 2, ids, slots, expected_row_sums(plan))
             if not torch.equal(cache.rows()[ids].cpu(), pool.slots[slots]):
                 raise RuntimeError("blocks loaded by row sums differ from the writer's")
             meta_store = _store_metadata(index, namespace, n, repeats)
@@ -165,10 +167,10 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
                 if _answer(ours) != "ready":
                     raise RuntimeError("the writer is not ready for a round of both directions")
                 plan = index.prepare_load(keys)
+                expect = expected_row_sums(plan)
                 ours.send("go")
                 t0 = time.time()
-                _load_summed(engine, 2 * repeats + 3 + r, ids, plan.slots,
-                             [s[1] for s in plan.sums])
+                _load_summed(engine, 2 * repeats + 3 + r, ids, plan.slots, expect)
                 t1 = time.time()
                 index.complete_load(keys)
                 w0, w1 = _answer(ours)
@@ -218,8 +220,19 @@ def _load(loads: CheckedLoads, engine: TransferEngine, rows: torch.Tensor,
         raise RuntimeError(f"load {job.job_id} failed: {result}")
 
 
+def expected_row_sums(plan: LoadPlan | None) -> np.ndarray:
+    """A one-rank plan's row sums ([xxh3, row sum] per block) as the scheduler hands them to
+    a worker: packed (kvconnector.offload.jobs.pack_row_sums), part of the load's metadata."""
+    if plan is None:
+        raise RuntimeError("the blocks to load are not all in the pool")
+    packed = pack_row_sums([s[1:] for s in plan.sums or []], 1)
+    if not packed:
+        raise RuntimeError("a block to load carries no row sum")
+    return np.frombuffer(packed[0], dtype=ROW_SUM_DTYPE)
+
+
 def _load_summed(engine: TransferEngine, job_id: int, ids: list[int], slots: list[int],
-                 sums: list[int]) -> None:
+                 sums: np.ndarray) -> None:
     """Load as a GPU engine's worker does: checked on the way by the blocks' row sums; raises
     unless every block matched and landed."""
     engine.submit_load(job_id, slots, ids, expect=sums)

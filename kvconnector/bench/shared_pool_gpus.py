@@ -49,10 +49,11 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvconnector.bench.ceilings import raw_copies
-from kvconnector.bench.shared_pool import WRITER_JOBS, store_blocks
+from kvconnector.bench.shared_pool import WRITER_JOBS, expected_row_sums, store_blocks
 from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.servers.pool import PoolProcess
 from transfer.engine import TransferEngine
@@ -324,16 +325,8 @@ def load_sources(rank: int, num: int, n: int) -> list[int]:
             + _numbers(_OWN + (rank + 1) % num, 2 * third, n))
 
 
-def row_sums(block_sums: Sequence[Sequence[int | None]]) -> list[int]:
-    """Each block's row sum out of the checksums its commit carries ([xxh3, row sum])."""
-    out = [sums[1] for sums in block_sums]
-    if None in out:
-        raise RuntimeError("a block to load carries no row sum")
-    return [int(s or 0) for s in out]
-
-
 def load_blocks(engine: TransferEngine, job_id: int, slots: list[int], ids: list[int],
-                expect: list[int] | None) -> None:
+                expect: np.ndarray | None) -> None:
     """Load as a GPU engine's worker does (kvconnector.bench.shared_pool._load_summed): checked
     on the way by the blocks' row sums (`expect`; None: a plain copy); raises unless every block
     matched and landed."""
@@ -484,9 +477,9 @@ class _Engine:
 
         threads = []
         if load_plan is not None:
-            plan = load_plan
+            plan, expect = load_plan, expected_row_sums(load_plan)  # the job's metadata
             threads.append(threading.Thread(target=timed, args=("load", lambda _: load_blocks(
-                self.loader, load_job, plan.slots, load_ids, row_sums(plan.sums or [])))))
+                self.loader, load_job, plan.slots, load_ids, expect))))
         if store is not None:
             keys, _, slots, hash_later = store
             threads.append(threading.Thread(target=timed, args=("store", lambda done: (

@@ -86,7 +86,9 @@ class CheckedLoads:
         # hashed is checked by its row sum (a worker whose copy engine does not check them).
         sums = rank_sums(job.sums[:checked], self.rank)
         sums += [None] * (checked - len(sums))
-        by_rows = rank_sums(job.row_sums[:checked], self.rank) if job.row_sums else []
+        rows_of_rank = job.rank_row_sums(self.rank)
+        by_rows: list[int | None] = [] if rows_of_rank is None else \
+            rows_of_rank[:checked].tolist()
         by_rows += [None] * (checked - len(by_rows))
         step = max(1, CHUNK_BYTES // max(1, int(rows.shape[1])))
         # The first chunk is a block per thread: the copy starts after one block's check.

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from kvconnector.offload.admission import Admission
 from kvconnector.offload.events import BlockLog
 from kvconnector.offload.groups import CacheGroup, window_blocks
-from kvconnector.offload.jobs import StepJobs, TransferJob
+from kvconnector.offload.jobs import StepJobs, TransferJob, pack_row_sums
 from kvconnector.offload.records import Job, Lookup, OffloadCounters, RequestState, Write
 from transfer.block_index import PoolIndex, StorePlan
 from transfer.checksums import hashed, split_sums
@@ -276,9 +276,8 @@ class LoadPlanner:
         slots, fail = ([], True) if plan is None else (list(plan.slots), False)
         split_by_rank = [] if plan is None or not self.checked else \
             [split_sums(s, self.num_workers) for s in plan.sums]
-        sums, row_sums = tuple(h for h, _ in split_by_rank), tuple(r for _, r in split_by_rank)
-        if not all(row_sums):
-            row_sums = ()  # checked by xxh3 unless every block carries row sums
+        sums = tuple(h for h, _ in split_by_rank)
+        row_sums = pack_row_sums([r for _, r in split_by_rank], self.num_workers)
         ops = self._plan_fetches(job_id, fetches) if fetches else None
         if ops and self.events is not None:
             self.events.planned(req_id, [key for op in ops for key in op.keys])

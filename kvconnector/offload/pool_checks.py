@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
-from kvconnector.offload.checked_loads import CheckedLoads, rank_sums
+from kvconnector.offload.checked_loads import CheckedLoads
 from kvconnector.offload.jobs import JobReport, TransferJob
 from transfer.engine import CopyResult, TransferEngine
 from transfer.slot_checker import SlotChecker
@@ -115,14 +116,13 @@ class PoolChecks:
 
     # ---- loads ----------------------------------------------------------------------------
 
-    def expected(self, job: TransferJob, head: int) -> list[int] | None:
+    def expected(self, job: TransferJob, head: int) -> np.ndarray | None:
         """This rank's row sums of the job's first `head` blocks, when the engine checks them on
         the way: every one of them is checked and carries them (else None: checked here)."""
-        if not self.check_loads or head == 0 or len(job.checked) < head or \
-                len(job.row_sums) < head:
+        if not self.check_loads or head == 0 or len(job.checked) < head:
             return None
-        sums = rank_sums(job.row_sums[:head], self.rank)
-        return None if None in sums else sums
+        sums = job.rank_row_sums(self.rank)
+        return None if sums is None or len(sums) < head else sums[:head]
 
     def fetched(self, job: TransferJob, rows: torch.Tensor,
                 verified: Sequence[int | None] = ()) -> None:

@@ -117,6 +117,8 @@ BAD_EXPECT = [
     ([1, 2.5, 2], "got 2.5 at 1"),  # numpy would truncate it to 2
     ([1, "7", 2], "got '7' at 1"),  # numpy would parse it
     ([1, True, 2], "got True at 1"),  # numpy would take it as 1
+    (np.zeros((3, 1), np.uint64), "at 0"),  # one sum per block
+    (np.array([1, -2, 3], np.int64), r"got (np\.int64\()?-2\)? at 1"),
 ]
 
 
@@ -134,12 +136,16 @@ def test_bad_expected_sums_raise_before_anything_is_queued(rig: Rig, expect: lis
 
 
 def test_expected_sums_as_numpy_unsigned(rig: Rig) -> None:
+    """Sums as a uint64 array (how a worker hands them over); the engine keeps its own copy:
+    the caller's array changed right after submit changes nothing."""
     _, slots, sums = stored(rig)
     expect = np.array(sums, dtype=np.uint64)
     assert rig.engine.submit_load(2, slots, list(range(20, 20 + N)), expect=expect)
+    expect[:] = 0
     assert rig.engine.wait([2], TIMEOUT)
     res = rig.finished()[2]
     assert res.ok and res.good == N and res.nbytes == N * rig.engine.block_bytes
+    assert torch.equal(rig.segments[0].gpu[20:20 + N], rig.pool.slots[slots])
 
 
 def refused(engine: TransferEngine, match: str) -> None:

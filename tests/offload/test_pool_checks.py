@@ -3,10 +3,11 @@ sums and which by xxh3 (the xxh3 checks themselves: test_checked_loads.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from kvconnector.offload.jobs import JobReport, TransferJob
+from kvconnector.offload.jobs import JobReport, TransferJob, pack_row_sums
 from kvconnector.offload.pool_checks import PoolChecks
 from transfer import slot_checker
 from transfer.checksums import block_checksum
@@ -26,20 +27,51 @@ def test_row_sums_only_where_the_engine_takes_and_stages_them() -> None:
             return self._stages
 
     job = TransferJob(1, "r", (0, 1), (5, 6), checked=(b"a", b"b"), sums=((1,), (2,)),
-                      row_sums=((11,), (12,)))
+                      row_sums=pack_row_sums([(11,), (2**64 - 1,)], 1))
     checks = PoolChecks(0, torch.device("cuda"))
     try:
-        for can_sum, stages, stores, loads in [(True, True, True, [11, 12]),
+        for can_sum, stages, stores, loads in [(True, True, True, [11, 2**64 - 1]),
                                                (True, False, True, None),
                                                (False, True, False, None)]:
             checks.bind(Engine(can_sum, stages))
-            assert (checks.sums_store(job), checks.expected(job, 2)) == (stores, loads)
+            expected = checks.expected(job, 2)
+            assert checks.sums_store(job) == stores
+            assert (None if expected is None else expected.tolist()) == loads
+            if expected is not None:  # as the copy engine takes them fastest
+                assert expected.dtype == np.uint64
+                assert checks.expected(job, 1).tolist() == [11]
+                assert checks.expected(job, 3) is None  # more blocks than it carries sums of
         cpu = PoolChecks(0, torch.device("cpu"))  # a CPU worker: xxh3 only
         cpu.bind(Engine(True, True))
         assert (cpu.sums_store(job), cpu.expected(job, 2)) == (False, None)
         cpu.close()
+        other_rank = PoolChecks(1, torch.device("cuda"))  # a rank the job carries none for
+        other_rank.bind(Engine(True, True))
+        assert other_rank.expected(job, 2) is None
+        other_rank.close()
     finally:
         checks.close()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_row_sums_travel_packed_per_rank(ranks: int) -> None:
+    """A job's row sums, packed per rank, read back as each rank's unsigned 64-bit sums, the
+    largest included."""
+    by_block = [tuple((b * 7919 + r * 104729) % 2**64 for r in range(ranks)) for b in range(5)]
+    by_block[3] = (2**64 - 1,) * ranks
+    job = TransferJob(1, "r", tuple(range(5)), tuple(range(5)), checked=(b"k",) * 5,
+                      row_sums=pack_row_sums(by_block, ranks))
+    for rank in range(ranks):
+        assert job.rank_row_sums(rank).tolist() == [rows[rank] for rows in by_block]
+    assert job.rank_row_sums(ranks) is None
+
+
+@pytest.mark.parametrize("by_block", [[], [(1, 2), (3,)], [(1, 2), (3, None)], [(1, 2, 3)],
+                                      [(1, 2), (-3, 4)], [(1, 2), (2**64, 4)]],
+                         ids=["no blocks", "a rank missing", "a None", "a rank too many",
+                              "negative", "over 64 bits"])
+def test_row_sums_not_packed_unless_every_block_has_every_ranks(by_block: list) -> None:
+    assert pack_row_sums(by_block, 2) == ()
 
 
 def test_hashed_stores_reported_with_their_checksums() -> None:
