@@ -53,6 +53,25 @@ def test_completions_of_what_a_client_does_not_hold_are_ignored() -> None:
     assert index.checksums(1, keys) == sums(1)
 
 
+def test_a_commit_naming_keys_it_does_not_hold_commits_the_rest_with_their_own_sums() -> None:
+    """Keys another client stores, or none does, are skipped; each held key keeps its own flag
+    and checksums (a mixed commit, as after a store the daemon dropped part of)."""
+    index = make(num_slots=6)
+    ours = A.keys([b"m0", b"m1", b"m2"])
+    index.prepare_store(1, ours)
+    index.open(3, [A.digest], 1000)
+    theirs = A.keys([b"t0"])
+    index.prepare_store(3, theirs)
+    never = A.keys([b"n0"])
+    mixed = [ours[0], theirs[0], ours[1], never[0], ours[2]]
+    index.complete_store(1, mixed, [True, True, False, True, True],
+                         [[10, 11], [20, 21], None, [30, 31], [None, None, 40, 41]])
+    assert index.checksums(1, ours) == [[10, 11], None, [None, None, 40, 41]]
+    assert index.lookup(1, ours[:1]) == 1 and index.index.num_free == 6 - 3  # m1 freed
+    assert index.index.is_being_stored(theirs[0]) and index.checksums(1, never) == [None]
+    assert index.unhashed == 1
+
+
 @pytest.mark.parametrize("bad", [None, [], ["1"], [-1], [1 << 64], [True]])
 def test_a_commit_without_valid_checksums_changes_nothing(bad: object) -> None:
     index = make()

@@ -310,29 +310,33 @@ class SharedBlockIndex:
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
         for key, ok, block_sums in zip(keys, flags, sums, strict=True):
-            if not isinstance(ok, bool):
-                raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
-            if ok:
+            if ok is True:
                 _check_sums(key, block_sums, unhashed=True)
+            elif ok is not False:
+                raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
         storing = lease.storing
-        held = [(key, ok, block_sums) for key, ok, block_sums in zip(keys, flags, sums,
-                                                                     strict=True)
-                if key in storing]
-        slots = self.index.complete_store([key for key, *_ in held], [ok for _, ok, _ in held])
+        if storing.issuperset(keys):  # the usual commit: every key still being stored here
+            held_keys, held_flags, held_sums = keys, flags, sums
+        else:
+            held = [i for i, key in enumerate(keys) if key in storing]
+            held_keys = [keys[i] for i in held]
+            held_flags, held_sums = [flags[i] for i in held], [sums[i] for i in held]
+        slots = self.index.complete_store(held_keys, held_flags)
+        storing.difference_update(held_keys)
         committed, by_row_sums = [], []
-        for (key, _, block_sums), slot in zip(held, slots, strict=True):
-            storing.discard(key)
-            unasked = key in lease.unasked
-            lease.unasked.discard(key)
-            if slot is not None:  # committed (not removed while it was being stored)
-                self._sums[key] = list(block_sums)
-                if block_sums[0] is None:  # readable to xxh3 readers once hashed
-                    self._unhashed[key] = (client, slot)
-                    by_row_sums.append(key)
-                    if unasked:
-                        self._orphans.add(key)
-                else:
-                    committed.append(key)
+        all_sums, unhashed = self._sums, self._unhashed
+        for key, block_sums, slot in zip(held_keys, held_sums, slots, strict=True):
+            if slot is None:  # failed, or removed while it was being stored
+                continue
+            all_sums[key] = list(block_sums)
+            if block_sums[0] is None:  # readable to xxh3 readers once hashed
+                unhashed[key] = (client, slot)
+                by_row_sums.append(key)
+            else:
+                committed.append(key)
+        if lease.unasked:  # committed by row sums under a plan that asked no xxh3s: orphans
+            self._orphans.update(key for key in by_row_sums if key in lease.unasked)
+            lease.unasked.difference_update(held_keys)
         self.log.add(STORED, committed)
         self.log.add(ROW_SUMS_STORED, by_row_sums)
 
