@@ -41,6 +41,9 @@ def test_row_sums_only_where_the_engine_takes_and_stages_them() -> None:
                 assert expected.dtype == np.uint64
                 assert checks.expected(job, 1).tolist() == [11]
                 assert checks.expected(job, 3) is None  # more blocks than it carries sums of
+                short = TransferJob(1, "r", (0, 1, 2), (5, 6, 7), checked=(b"a", b"b", b"c"),
+                                    sums=((1,), (2,), (3,)), row_sums=job.row_sums)
+                assert checks.expected(short, 3) is None  # checked, but two sums for three
         cpu = PoolChecks(0, torch.device("cpu"))  # a CPU worker: xxh3 only
         cpu.bind(Engine(True, True))
         assert (cpu.sums_store(job), cpu.expected(job, 2)) == (False, None)
@@ -67,9 +70,10 @@ def test_row_sums_travel_packed_per_rank(ranks: int) -> None:
 
 
 @pytest.mark.parametrize("by_block", [[], [(1, 2), (3,)], [(1, 2), (3, None)], [(1, 2, 3)],
-                                      [(1, 2), (-3, 4)], [(1, 2), (2**64, 4)]],
+                                      [(1, 2), (-3, 4)], [(1, 2), (2**64, 4)],
+                                      [(1, True)], [(1, 2.5)], [(1, "7")]],
                          ids=["no blocks", "a rank missing", "a None", "a rank too many",
-                              "negative", "over 64 bits"])
+                              "negative", "over 64 bits", "a bool", "a float", "a string"])
 def test_row_sums_not_packed_unless_every_block_has_every_ranks(by_block: list) -> None:
     assert pack_row_sums(by_block, 2) == ()
 
