@@ -4,6 +4,7 @@ and a checked pool's per-block lists of every rank's checksums (`block_sums`, `s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -53,3 +54,10 @@ def hashed(sums: list[int | None] | tuple[int | None, ...]) -> bool:
     """Whether a block's committed checksums include its xxh3s (not a commit by row sums only
     whose xxh3s are still to come)."""
     return bool(sums) and sums[0] is not None
+
+
+def all_uint64(values: Sequence[object]) -> bool:
+    """Whether every value is an exact int (not a bool) in [0, 2^64): what numpy must not be
+    trusted to check (it takes 2.5, "7" or True as ints). In C, ~0.1 us a value."""
+    return set(map(type, values)) <= {int} and \
+        (not values or (min(values) >= 0 and max(values) < 1 << 64))  # type: ignore[type-var]

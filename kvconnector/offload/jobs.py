@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from transfer.checksums import all_uint64
 from transfer.tier import TierOp
 
 # A job's row sums travel packed (`TransferJob.row_sums`): a worker hands its rank's to the copy
@@ -76,8 +77,7 @@ def pack_row_sums(by_block: Sequence[Sequence[int | None]], ranks: int) -> tuple
     if not by_block or set(map(len, by_block)) != {ranks}:
         return ()
     flat = list(itertools.chain.from_iterable(by_block))
-    # In C, ~0.1 us a block: exact ints (no None, bool, float or str) in range.
-    if not set(map(type, flat)) <= {int} or min(flat) < 0 or max(flat) >= 1 << 64:
+    if not all_uint64(flat):  # a None, or a value no summed store reports
         return ()
     table = np.array(flat, dtype=ROW_SUM_DTYPE).reshape(len(by_block), ranks)
     return tuple(table[:, rank].tobytes() for rank in range(ranks))
