@@ -15,7 +15,10 @@ transport limit). Kinds:
 - connections: waves of as many connections as this process may open (ARG at most, default
   4000; the soft descriptor limit raised to the hard one), some speaking ZMTP, some not, held
   then reset or closed
-- half_frames: up to 32 connections, each holding a message or a frame header cut short
+- half_frames: up to 32 connections, each holding a message or a frame header cut short. Of
+  those holding more than the stall allowance of a message begun it counts `past_stall`, hung
+  up on after it saw them alive STALL_SEEN_S past the stall timeout (dropped as stalled),
+  and `outlived_stall`, alive STALL_MARGIN_S past it (the store must have dropped them)
 - non_readers: 4 connections each sending 64 gets it never reads (the same 512-byte block 4,096
   times, 4,096 missing keys) from a receive buffer of 4 KiB, then holding on; a new connection
   when the store hangs up
@@ -51,6 +54,7 @@ from store_peers import ZmtpPeer
 
 from transfer.checksums import block_checksum
 from transfer.keys import Namespace
+from transfer.remote.store.admission import STALL_ALLOWANCE_BYTES, STALL_TIMEOUT_S
 from transfer.remote.store.protocol import Op, encode_request
 
 MiB = 1 << 20
@@ -65,6 +69,11 @@ WIDE_BLOCK = bytes(range(256)) * 128
 MISSING = NS.keys([b"missing-%d" % i for i in range(4096)])
 FIELDS = ("v", "id", "op", "ns", "keys", "sizes", "sums")
 ZEROS = memoryview(bytes(FRAME_LIMIT + 8192))
+# a connection seen alive this long past the stall timeout stalled in the store's eyes too (its
+# checks, at most a second apart, see progress a check late); one alive STALL_MARGIN_S past it
+# outlived any check, even on a machine busy with every attacker at once
+STALL_SEEN_S = 2.0
+STALL_MARGIN_S = 8.0
 
 
 class Attack:
@@ -237,12 +246,26 @@ class Attack:
 
     def half_frames(self) -> None:
         rng = self.rng
-        held: list[ZmtpPeer] = []
+        held: list[tuple[ZmtpPeer, float, bool]] = []  # the peer, held since, a message begun
+        seen_stalled: set[ZmtpPeer] = set()
+        outlived: set[ZmtpPeer] = set()
+        self.counts.update(past_stall=0, outlived_stall=0)
         while self.running:
-            for peer in [p for p in held if p.hung_up(0.001)]:
-                held.remove(peer)
-                peer.abort()
-                self.count("hung_up")
+            for entry in list(held):
+                peer, since, begun = entry
+                if peer.hung_up(0.001):
+                    held.remove(entry)
+                    if peer in seen_stalled:
+                        self.count("past_stall")
+                    peer.abort()
+                    self.count("hung_up")
+                elif begun:
+                    held_s = time.monotonic() - since
+                    if held_s > STALL_TIMEOUT_S + STALL_SEEN_S:
+                        seen_stalled.add(peer)
+                    if held_s > STALL_TIMEOUT_S + STALL_MARGIN_S and peer not in outlived:
+                        outlived.add(peer)
+                        self.count("outlived_stall")
             if len(held) >= 32:
                 time.sleep(0.05)
                 continue
@@ -258,21 +281,25 @@ class Attack:
                     peer.send_frame(header, more=True)
                     for _ in range(7):
                         peer.send_frame(ZEROS[:MiB], more=True)
+                    sent = len(header) + 7 * MiB
                     self.count("sent", 7 * MiB)
                 elif choice == 1:  # a frame cut short
                     peer.send_frame(header, more=True)
                     peer.send_frame_head(MiB, more=False)
                     cut = rng.randint(1, MiB - 1)
                     peer.send_raw(ZEROS[:cut])
+                    sent = len(header) + cut
                     self.count("sent", cut)
                 else:  # a frame header cut short
                     peer.send_raw(b"\x02" + bytes(rng.randint(0, 7)))
+                    sent = 0
                 self.count("messages")
-                held.append(peer)
+                # what the store counts (framing included) is more than the bytes counted here
+                held.append((peer, time.monotonic(), sent > STALL_ALLOWANCE_BYTES))
             except OSError:
                 self.count("hung_up")
                 peer.abort()
-        for peer in held:
+        for peer, _, _ in held:
             peer.abort()
 
     def non_readers(self) -> None:

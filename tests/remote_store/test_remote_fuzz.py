@@ -31,7 +31,6 @@ from kvconnector.servers.store import StoreProcess
 from transfer.checksums import block_checksum
 from transfer.keys import DIGEST_BYTES, Namespace
 from transfer.remote.backend import BlockStatus
-from transfer.remote.store.admission import STALL_TIMEOUT_S
 from transfer.remote.store.client import StoreClient
 from transfer.remote.store.protocol import (
     Limits,
@@ -337,9 +336,12 @@ def test_a_fuzz_run_of_every_attack_at_once(tmp_path: Path) -> None:
         assert runs["non_readers"]["hung_up"] >= 1  # dropped: over the budget, or stalled
         if runs["connections"]["most_held"] > stats["max_peers"]:
             assert stats["refused_peers"] >= 1
-        # a run long enough that the half frames' first holders surely outlived the stall
-        # timeout (KVCONNECTOR_STORE_FUZZ_S=20 or more; test_remote_admission.py checks it in CI)
-        if runs["half_frames"]["seconds"] >= STALL_TIMEOUT_S + 8:
+        # every connection holding a message begun was hung up on in time: dropped as stalled,
+        # over the budget, or refused. Whether one lives to its stall timeout depends on the other
+        # attacks' drops and refusals (test_remote_admission.py makes one stall); one that did
+        # was dropped as stalled.
+        assert runs["half_frames"]["outlived_stall"] == 0, runs["half_frames"]
+        if runs["half_frames"]["past_stall"]:
             assert stats["stalled_peers"] >= 1, figures
         # held_bytes is the last 10 ms check's: it may count the observer's own stats request
         # (tens of bytes) if a check ran while it was being served; anything more was leaked
