@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
+from operator import attrgetter
 from typing import Protocol
 
 from transfer.eviction import ARCPolicy, EvictionPolicy, LRUPolicy
@@ -85,6 +87,10 @@ class _Entry:
     @property
     def idle(self) -> bool:
         return not self.storing and self.pins == 0
+
+
+_STORING = attrgetter("storing")
+_SLOT = attrgetter("slot")
 
 
 class BlockIndex:
@@ -250,28 +256,39 @@ class BlockIndex:
             raise ValueError(f"ok must be a bool or a sequence of bools, got {ok!r}")
         if len(flags) != len(keys):
             raise ValueError(f"ok has {len(flags)} flags for {len(keys)} keys: {ok!r}")
-        for flag in flags:
-            if not isinstance(flag, bool):
-                raise ValueError(f"ok flags must be bool, got {flag!r}")
-        for key in keys:
-            entry = self._entries.get(key) or self._draining.get(key)
-            if entry is None or not entry.storing:
-                raise ValueError(f"key {key.hex()} is not being stored")
-        readable: list[int | None] = []
-        for key, stored in zip(keys, flags, strict=True):
-            slot = None
-            if key in self._draining:
-                self._free.append(self._draining.pop(key).slot)
-            elif stored:
-                entry = self._entries[key]
+        if not set(map(type, flags)) <= {bool}:
+            bad = next(flag for flag in flags if type(flag) is not bool)
+            raise ValueError(f"ok flags must be bool, got {bad!r}")
+        # Checked whole before anything changes; a commit of keys all stored ok and none
+        # draining (the usual one) is then applied without a branch a key.
+        entries = list(map(self._entries.get, keys))
+        draining = self._draining
+        if not all(entries) or not all(map(_STORING, entries)):  # an entry is always true
+            for key in keys:
+                entry = self._entries.get(key) or draining.get(key)
+                if entry is None or not entry.storing:
+                    raise ValueError(f"key {key.hex()} is not being stored")
+        stores = flags.count(True)
+        if stores == len(keys) and (not draining or draining.keys().isdisjoint(keys)):
+            for entry in entries:
                 entry.storing = False
-                self._num_idle += 1
-                slot = entry.slot
-            else:
-                self._free.append(self._entries.pop(key).slot)
-                self.policy.discard(key)
-            readable.append(slot)
-        stores = sum(flags)
+            self._num_idle += stores
+            readable: list[int | None] = list(map(_SLOT, entries))
+        else:
+            readable = []
+            for key, stored in zip(keys, flags, strict=True):
+                slot = None
+                if key in draining:
+                    self._free.append(draining.pop(key).slot)
+                elif stored:
+                    entry = self._entries[key]
+                    entry.storing = False
+                    self._num_idle += 1
+                    slot = entry.slot
+                else:
+                    self._free.append(self._entries.pop(key).slot)
+                    self.policy.discard(key)
+                readable.append(slot)
         self._stats.stores += stores
         self._stats.failed_stores += len(flags) - stores
         return readable
@@ -379,9 +396,10 @@ class BlockIndex:
             raise ValueError(f"expected a sequence of keys, got one value {keys!r}")
         checked = list(keys)
         digest = self._digest
-        if not all(type(key) is bytes and len(key) > DIGEST_BYTES
-                   and (digest is None or key.startswith(digest)) for key in checked):
-            for key in checked:  # one pass without a call a key; this one names the bad key
+        # passes in C over the keys; on a failure, a pass that names the bad key
+        if not (set(map(type, checked)) == {bytes} and min(map(len, checked)) > DIGEST_BYTES
+                and (digest is None or all(map(bytes.startswith, checked, repeat(digest))))):
+            for key in checked:
                 self._checked(key)
         if unique and len(set(checked)) != len(checked):
             seen: set[bytes] = set()

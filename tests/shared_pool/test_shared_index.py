@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import transfer.shared.index as index_module
 from transfer.keys import Namespace
 from transfer.shared.index import SharedBlockIndex
 
@@ -82,6 +83,45 @@ def test_a_commit_without_valid_checksums_changes_nothing(bad: object) -> None:
     assert all(index.index.is_being_stored(key) for key in keys)  # the first was not committed
     index.complete_store(1, keys, [False, False], [None, None])  # a failed store needs none
     assert index.lookup(1, keys) == 0 and index.index.num_free == 4
+
+
+@pytest.mark.parametrize("bad", [[None, None], [None, -1], [None, 1 << 64], [None, True],
+                                 [None, 5.0], (None, "5"), [5, None], [None, 5, None, 6],
+                                 [None], [None, None, 5, None], 5])
+def test_a_commit_by_row_sums_with_one_bad_list_changes_nothing(bad: object) -> None:
+    """A GPU writer's commit (every list a nil, then a row sum) is checked a column at a time;
+    one list that is not such a valid list sends it through the per-key check, which refuses."""
+    index = make()
+    keys = A.keys([b"r0", b"r1", b"r2"])
+    index.prepare_store(1, keys)
+    with pytest.raises(ValueError, match="committed without its per-rank xxh3-64 checksums"):
+        index.complete_store(1, keys, [True] * 3, [[None, 5], bad, [None, 7]])
+    assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
+    index.complete_store(1, keys, [True] * 3, [[None, 5], [None, 0], [None, (1 << 64) - 1]])
+    assert index.checksums(1, keys) == [[None, 5], [None, 0], [None, (1 << 64) - 1]]
+    assert index.unhashed == 3 and index.lookup(1, keys) == 0  # xxh3 readers wait for hashes
+    index.reads(1, row_sums=True, needs_xxh3=False)
+    assert index.lookup(1, keys) == 3
+
+
+@pytest.mark.parametrize("lists", [
+    [[None, 1]], [[None, None, 1, 2]] * 3, [(None, 3)], [[None, 1], [None, 2, None, 3]],
+    [[None, 1], [2, 3]], [[None, 1], None], [[None, -1]], [[None, True]], [[None, 1 << 64]],
+    [[None, 1.0]], [[None]], [[]], [[None] * 130 + [1] * 130], [[None, 2, 3]], [[1, None]],
+    [[None, None, None, 1]], [[None, 1, 2, 3]]])
+def test_the_column_check_accepts_only_what_the_per_key_check_accepts(lists: list) -> None:
+    accepted = index_module._row_sums_only(lists)
+    per_key = True
+    for block_sums in lists:
+        try:
+            index_module._check_sums(b"k", block_sums, unhashed=True)
+        except ValueError:
+            per_key = False
+    every_by_row_sums = per_key and all(block_sums[0] is None for block_sums in lists)
+    if accepted:
+        assert every_by_row_sums
+    else:  # checked per key: lists of different lengths may all be valid
+        assert not every_by_row_sums or len(set(map(len, lists))) > 1
 
 
 def test_foreign_keys_and_oversized_blocks_are_refused() -> None:

@@ -47,6 +47,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import itemgetter
 
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import DIGEST_BYTES
@@ -60,6 +62,7 @@ MAX_EVICTED_SUMS = 1 << 20  # victims' checksums in one prepare_stores answer (t
 MAX_LOG = 1 << 16  # commits and removals kept for `changes` (a reader further behind: the list)
 MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
 Sums = list[int | None]  # a block's checksums: its xxh3s (nil until hashed), then its row sums
+_DIGEST = itemgetter(slice(None, DIGEST_BYTES))  # a key's namespace digest
 
 
 # What a change log entry says, and to whom: (to a lease reading by row sums, to any other),
@@ -84,7 +87,7 @@ class ChangeLog:
         self.next_seq = 0  # the number the next entry gets
 
     def add(self, kind: int, keys: Sequence[bytes]) -> None:
-        self._entries.extend((kind, key) for key in keys)
+        self._entries.extend(zip(repeat(kind), keys))
         self.next_seq += len(keys)
 
     def since(self, seq: int, namespaces: frozenset[bytes], row_sums: bool = False,
@@ -309,11 +312,14 @@ class SharedBlockIndex:
                 or not len(flags) == len(sums) == len(keys):
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
-        for key, ok, block_sums in zip(keys, flags, sums, strict=True):
-            if ok is True:
-                _check_sums(key, block_sums, unhashed=True)
-            elif ok is not False:
-                raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
+        all_ok = flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
+        row_sums_only = all_ok and _row_sums_only(sums)
+        if not row_sums_only:
+            for key, ok, block_sums in zip(keys, flags, sums, strict=True):
+                if ok is True:
+                    _check_sums(key, block_sums, unhashed=True)
+                elif ok is not False:
+                    raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
         storing = lease.storing
         if storing.issuperset(keys):  # the usual commit: every key still being stored here
             held_keys, held_flags, held_sums = keys, flags, sums
@@ -323,17 +329,22 @@ class SharedBlockIndex:
             held_flags, held_sums = [flags[i] for i in held], [sums[i] for i in held]
         slots = self.index.complete_store(held_keys, held_flags)
         storing.difference_update(held_keys)
-        committed, by_row_sums = [], []
         all_sums, unhashed = self._sums, self._unhashed
-        for key, block_sums, slot in zip(held_keys, held_sums, slots, strict=True):
-            if slot is None:  # failed, or removed while it was being stored
-                continue
-            all_sums[key] = list(block_sums)
-            if block_sums[0] is None:  # readable to xxh3 readers once hashed
-                unhashed[key] = (client, slot)
-                by_row_sums.append(key)
-            else:
-                committed.append(key)
+        if row_sums_only and None not in slots:  # a GPU writer's usual commit, in bulk
+            all_sums.update(zip(held_keys, map(list, held_sums), strict=True))
+            unhashed.update(zip(held_keys, zip(repeat(client), slots), strict=True))
+            committed, by_row_sums = [], held_keys
+        else:
+            committed, by_row_sums = [], []
+            for key, block_sums, slot in zip(held_keys, held_sums, slots, strict=True):
+                if slot is None:  # failed, or removed while it was being stored
+                    continue
+                all_sums[key] = list(block_sums)
+                if block_sums[0] is None:  # readable to xxh3 readers once hashed
+                    unhashed[key] = (client, slot)
+                    by_row_sums.append(key)
+                else:
+                    committed.append(key)
         if lease.unasked:  # committed by row sums under a plan that asked no xxh3s: orphans
             self._orphans.update(key for key in by_row_sums if key in lease.unasked)
             lease.unasked.difference_update(held_keys)
@@ -452,16 +463,25 @@ class SharedBlockIndex:
         if not isinstance(keys, list | tuple):
             raise ValueError(f"expected a list of keys, got {brief(keys)}")
         namespaces = self.leases[client].namespaces
+        if keys and set(map(type, keys)) == {bytes} \
+                and min(map(len, keys)) > DIGEST_BYTES and max(map(len, keys)) <= MAX_KEY_BYTES \
+                and namespaces.issuperset(map(_DIGEST, keys)):
+            pass  # passes in C over the keys; else a pass that names the bad key
+        else:
+            self._name_foreign_key(namespaces, keys)
+        if unique and len(set(keys)) != len(keys):
+            twice = next(key for key, count in Counter(keys).items() if count > 1)
+            raise ValueError(f"key {brief(twice)} is named twice in one request")
+        return list(keys)
+
+    @staticmethod
+    def _name_foreign_key(namespaces: frozenset[bytes], keys: Sequence[object]) -> None:
         for key in keys:
             if not isinstance(key, bytes) or not DIGEST_BYTES < len(key) <= MAX_KEY_BYTES \
                     or key[:DIGEST_BYTES] not in namespaces:
                 raise ValueError(f"key {brief(key)} is not of a namespace this client declared "
                                  f"(a key: {DIGEST_BYTES + 1} to {MAX_KEY_BYTES} bytes, the "
                                  f"namespace's digest + a block hash)")
-        if unique and len(set(keys)) != len(keys):
-            twice = next(key for key, count in Counter(keys).items() if count > 1)
-            raise ValueError(f"key {brief(twice)} is named twice in one request")
-        return list(keys)
 
 
 _UINT64_END = 1 << 64
@@ -484,6 +504,25 @@ def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
     for value in values:
         if type(value) is not int or not 0 <= value < _UINT64_END:  # an exact int: not a bool
             raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
+
+
+def _row_sums_only(sums: Sequence[object]) -> bool:
+    """Whether every list of a commit is a valid commit by row sums only with the same number
+    of ranks (a GPU writer's): checked a column at a time, in C. False says nothing about
+    validity: the caller checks each list then (_check_sums)."""
+    if not sums or not set(map(type, sums)) <= {list, tuple}:
+        return False
+    lengths = set(map(len, sums))
+    if len(lengths) != 1:
+        return False
+    (length,) = lengths
+    if length % 2 or not 0 < length <= MAX_BLOCK_SUMS:
+        return False
+    columns = list(zip(*sums, strict=True))
+    ranks = length // 2
+    return all(set(column) == {None} for column in columns[:ranks]) and all(
+        set(map(type, column)) == {int} and min(column) >= 0 and max(column) < _UINT64_END
+        for column in columns[ranks:])
 
 
 def _unsummed(key: bytes) -> str:
