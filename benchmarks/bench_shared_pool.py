@@ -136,7 +136,7 @@ def _every_gpu(args: argparse.Namespace, gpus: list[int], device_type: str,
     for row in rows:
         print(f"block {row['block_bytes'] >> 10} KiB x {row['blocks']} per engine and set: load "
               f"{row['ratios']['load']:.3f}, store {row['ratios']['store']:.3f}, both "
-              f"{row['ratios']['both']:.3f} of the raw aggregate")
+              f"{row['ratios']['both']:.3f} of the raw aggregate taken in turns with its rounds")
     print(format_tables(ceilings, rows), flush=True)
     if args.json is not None:
         record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -103,11 +103,13 @@ def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
 
 
 def every_gpu_verdicts(every: dict[str, Any], device_type: str) -> list[str]:
-    """Each direction's aggregate over every GPU against the same run's raw aggregate."""
+    """Each direction's aggregate over every GPU against raw copies on every GPU at once, taken
+    in turns with its rounds."""
     if device_type != "cuda":
         return ["verdicts: on a CPU the stand-in processes' rates are summing and hashing on "
                 "this machine's cores, not copies: no verdict"]
-    lines = [f"verdicts against the same-run raw copies on every GPU at once; {SCALE}:"]
+    lines = [f"verdicts against raw copies on every GPU at once, in turns with the engines' "
+             f"rounds; {SCALE}:"]
     for row in every["rows"]:
         ratios = row["ratios"]
         lines.append(f"  {format_bytes(row['block_bytes'])}: {judged('load', ratios['load'])}, "

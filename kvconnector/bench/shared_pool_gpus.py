@@ -22,6 +22,14 @@ so each runs as a one-GPU engine does), all started together and stepped behind 
   store's plan: `hash_later`); were one needed, it would be taken and attached after the commit
   (`late_hash_s`: from the last commit to the last xxh3).
 
+The ratios hold each phase's engine aggregate against raw copies taken in turns with its rounds:
+before each engine round, every process makes one raw copy of that phase's direction at once
+(loads: host -> device; stores: device -> host; both: one each way), on its own buffers, behind
+the same barrier. The host's aggregate limit moves from round to round (raw copies on four H200s
+read 157-177 GB/s within one minute), so a ceiling taken once, before the engines, held the
+engines against another moment's limit. The ceilings first taken alone and all at once stay in
+the record: they show the host's limit against the GPUs'.
+
 Every block's bytes are a function of its key (`block_pattern`), so every loaded byte is compared
 with what its writer, whichever engine that was, stored (destinations poisoned before each copy),
 and every stored block is read back and compared too. An engine's rate is the median of its
@@ -359,6 +367,7 @@ class _Engine:
         self.storer = TransferEngine(self.pool.segments([self.rows]))
         self.loader = TransferEngine(self.pool.segments([self.rows]))
         self.checker = SlotChecker()
+        self.raw = _RawCopies(self.device, COPY_BYTES[device_type])
         self.jobs = 0
         self.late_hash_s: list[float] = []  # each timed store: last commit to last xxh3
         self.hashed_stores = 0  # stores the pool asked to hash (a lease needed the xxh3s)
@@ -368,6 +377,7 @@ class _Engine:
     def close(self) -> None:
         for engine in (self.storer, self.loader):
             engine.close()
+        self.raw.close()
         self.checker.close()
         self.pool.close()
         self.cache.close()
@@ -423,7 +433,7 @@ class _Engine:
         load_ids = (n + torch.randperm(n)).tolist()
         spans: dict[str, dict[str, list[tuple[float, float]]]] = {}
         for p, phase in enumerate(PHASES):
-            spans[phase] = {"load": [], "store": []}
+            spans[phase] = {"load": [], "store": [], "raw": []}
             for r in range(repeats + 1):  # the first round warms up
                 stores = _numbers(_STORES + (p * (repeats + 1) + r) * self.num + rank, 0, n)
                 self._round(phase, loads, load_ids, stores, spans[phase])
@@ -445,8 +455,11 @@ class _Engine:
 
     def _round(self, phase: str, loads: list[int], load_ids: list[int], stores: list[int],
                spans: dict[str, list[tuple[float, float]]]) -> None:
-        """One timed round of `phase`, started behind the barrier; then every byte compared."""
+        """One timed round of `phase`, started behind the barrier, after a raw copy of its
+        direction on every GPU at once (`_RawCopies`); then every byte compared."""
         n = self.n
+        self.barrier.wait()
+        spans["raw"].append(self.raw.timed(_RAW_DIRECTION[phase]))
         load_keys = self._keys(loads)
         load_plan = store = None
         if phase in ("load", "both"):
@@ -514,6 +527,37 @@ class _Engine:
             self.index.pool_stats()  # discarded before the next round's stores are placed
 
 
+_RAW_DIRECTION = {"load": "h2d", "store": "d2h", "both": "bidir"}
+
+
+class _RawCopies:
+    """Raw copies of one process, taken in turns with its engine's rounds: as the ceilings take
+    them (kvconnector.bench.ceilings.raw_copies), on buffers of its own."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device, self.size = device, size
+        self._cuda = device.type == "cuda"
+        self._host = torch.empty(2 * size, dtype=torch.uint8, pin_memory=self._cuda)
+        self._dev = torch.empty(2 * size, dtype=torch.uint8, device=device)
+        self._host.fill_(1)  # touched before any copy is timed
+        self._dev.fill_(2)
+        self._lanes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-raw")
+        self._copies = raw_copies((self._dev[:size], self._dev[size:]),
+                                  (self._host[:size], self._host[size:]), self._lanes)
+
+    def timed(self, direction: str) -> tuple[float, float]:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        t0 = time.time()
+        self._copies[direction]()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        return t0, time.time()
+
+    def close(self) -> None:
+        self._lanes.shutdown()
+
+
 def engine_blocks(block_bytes: int, num: int, device_type: str) -> int:
     """Blocks in one engine's set: SET_MAX_BYTES, fewer where /dev/shm cannot hold the pool (the
     common set, each engine's own set and each engine's stores of a round); 0: no room."""
@@ -556,10 +600,18 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
         2 * num * nbytes / _span([e["spans"]["both"][d][k] for e in engines
                                   for d in ("load", "store")]) / 1e9
         for k in range(1, repeats + 1))
+    size = COPY_BYTES[workers.device_type]
+    raw = {f"{_RAW_DIRECTION[phase]}_gbps": statistics.median(
+               (2 if phase == "both" else 1) * num * size
+               / _span([e["spans"][phase]["raw"][k] for e in engines]) / 1e9
+               for k in range(1, repeats + 1)) for phase in PHASES}
     for engine in engines:
         del engine["spans"]
     return {"block_bytes": block_bytes, "blocks": n, "gpus": gpus, "engines": engines,
-            "aggregate": aggregate}
+            "aggregate": aggregate, "raw": raw,
+            "raw_method": f"one {size >> 20} MiB copy per GPU, every GPU at once, before each "
+                          f"engine round of the phase (its direction; both: one each way), the "
+                          f"median of the timed rounds"}
 
 
 def blocks_per_set(sizes: Sequence[int], num: int, device_type: str) -> list[int]:
@@ -591,7 +643,7 @@ def measure_every_gpu(gpus: list[int], device_type: str, sizes: Sequence[int], r
         for size, n in zip(sizes, blocks, strict=True):
             step(f"{len(gpus)} GPUs: shared pool, {size} B blocks")
             row = measure_engines(workers, size, n, repeats)
-            add_ratios(row, ceilings)
+            add_ratios(row)
             rows.append(row)
     return {"gpus": gpus, "ceilings": ceilings, "rows": rows}
 
@@ -602,9 +654,10 @@ def mismatched_blocks_in(rows: Sequence[dict[str, Any]]) -> int:
                for e in row["engines"])
 
 
-def add_ratios(row: dict[str, Any], ceilings: dict[str, Any]) -> None:
-    """Each aggregate against the same run's raw aggregate of its direction."""
-    raw, agg = ceilings["aggregate"], row["aggregate"]
+def add_ratios(row: dict[str, Any]) -> None:
+    """Each aggregate against the raw aggregate of its direction, taken in turns with its rounds
+    (`measure_engines`)."""
+    raw, agg = row["raw"], row["aggregate"]
     row["ratios"] = {"load": agg["load_load_gbps"] / raw["h2d_gbps"],
                      "store": agg["store_store_gbps"] / raw["d2h_gbps"],
                      "both": agg["both_gbps"] / raw["bidir_gbps"],
@@ -637,6 +690,9 @@ def format_tables(ceilings: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         out.append(f"{'aggregate':>22} {agg['load_load_gbps']:>10.2f} "
                    f"{agg['store_store_gbps']:>10.2f} {agg['both_load_gbps']:>11.2f} "
                    f"{agg['both_store_gbps']:>8.2f} {agg['both_gbps']:>8.2f}")
+        raw = row["raw"]
+        out.append(f"{'raw, in turns':>22} {raw['h2d_gbps']:>10.2f} {raw['d2h_gbps']:>10.2f} "
+                   f"{'':>11} {'':>8} {raw['bidir_gbps']:>8.2f}")
         out.append(f"{'of the raw aggregate':>22} {ratio['load']:>10.3f} {ratio['store']:>10.3f} "
                    f"{ratio['both_load']:>11.3f} {ratio['both_store']:>8.3f} "
                    f"{ratio['both']:>8.3f}")
