@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import transfer.remote.planner as remote_planner
 from kvconnector.layout.allocator import allocate
 from kvconnector.layout.descriptor import KVLayout
 from kvconnector.offload.jobs import JobReport, TransferEvents
@@ -140,6 +141,34 @@ def test_failed_fetch_forgets_the_key_and_remote_hits_are_capped_by_room(
     core.complete(JobReport(done={load.job_id: 1}))
     assert not core.has_jobs() and len(core.index) == 1 and core.index.contains(NS.key(hs[0]))
     assert core.index.num_reclaimable == 1  # the fetched block is idle: no pin left
+
+
+def test_a_failed_fetchs_keys_are_refused_until_written_anew(
+        store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = RemotePlanner(settings(store.url), NS.digest)
+    try:
+        hs = hashes("r", 3)
+        keys = NS.keys(hs)
+        put_blocks(store.url, hs)
+        assert wait_for(lambda: tier.lookup("a", keys)) == 3
+        tier.complete_fetch(1, keys, keys[1:2])  # the second came back bad
+        assert wait_for(lambda: tier.lookup("b", keys)) == 1  # ends before it
+        assert tier.lookup("c", keys[1:]) == 0  # at once, no round trip
+        assert tier.plan_fetch(2, keys, [0, 1, 2]) is None
+        assert tier.plan_fetch(3, keys[2:], [2]) is not None
+        op = tier.plan_write(4, keys[1:2], [1], evicted=False)
+        assert op is not None and op.keys == tuple(keys[1:2])
+        tier.complete_write(4, keys[1:2])  # the put failed: still refused
+        assert tier.lookup("d", keys[1:]) == 0
+        tier.plan_write(5, keys[1:2], [1], evicted=False)
+        tier.complete_write(5, [])  # written anew: offered again
+        assert wait_for(lambda: tier.lookup("e", keys)) == 3
+        # At most MAX_REFUSED keys are refused, the oldest forgotten first.
+        monkeypatch.setattr(remote_planner, "MAX_REFUSED", 2)
+        tier.complete_fetch(6, keys, keys)
+        assert tier.lookup("f", keys[1:]) == 0 and tier.plan_fetch(7, keys[:1], [0]) is not None
+    finally:
+        tier.close()
 
 
 def test_write_through_pins_until_every_rank_reported_its_put(make_core: MakeCore) -> None:

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_harness as h  # noqa: E402
+from process_memory import flip_in_process  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import make_prompt, on_planned_load, poison_gpu, run_to_completion  # noqa: E402
 
@@ -163,6 +164,45 @@ def test_store_killed_between_lookup_and_load_recomputes(
     assert remote_failures(second) >= tp  # every rank's get failed
     # The failed fetch left nothing in the CPU tier that was not recomputed and stored again.
     assert all(core.index.contains(k) for k in h.prompt_keys(second, prompt))
+
+
+def test_a_block_damaged_in_the_store_is_recomputed_once_then_stored_anew(
+        model_dir: str, store: StoreProcess) -> None:
+    """A block whose bytes changed in the store (a bit flip in its RAM) fails the load that
+    fetches it: the request recomputes from it, never loads it again (it looped on that failed
+    fetch before), and the store drops it, so the recomputed block is put anew and serves the
+    next engine bit-exact."""
+    first = make_engine(model_dir, store.url)
+    prompt = make_prompt(5, 3 * BS + 5)
+    run_to_completion(first, {"a": (prompt, 2)})
+    keys = h.prompt_keys(first, prompt)
+    slot = first.connector._scheduler.index.slot_of(keys[1])
+    block = first.workers[0].connector._worker.pool.slots[slot].numpy().tobytes()
+    try:
+        changed = flip_in_process(store.process.pid, block)
+    except PermissionError as exc:
+        pytest.skip(f"cannot write the store process's memory here: {exc}")
+    assert changed >= 1, "the block's bytes are not in the store process"
+    second = make_engine(model_dir, store.url)
+    poison_gpu(second)
+    run_to_completion(second, {"b": (prompt, 2)})
+    # One load of the three blocks failed at the second; block 0 was then loaded, the rest
+    # computed: tokens and logprobs as computed from scratch.
+    assert second.workers[0].starts["b"] == [BS]
+    assert remote_failures(second) == 1
+    third = make_engine(model_dir, store.url)
+    poison_gpu(third)
+    run_to_completion(third, {"c": (prompt, 2)})
+    assert third.workers[0].starts["c"] == [3 * BS]  # every block from the store, good bytes
+    # Negative control: the same engine's load with its first block's bytes flipped in the
+    # store is refused too: it recomputes, so the store's bytes are what the loads used.
+    first_block = third.workers[0].connector._worker.pool.slots[
+        third.connector._scheduler.index.slot_of(keys[0])].numpy().tobytes()
+    assert flip_in_process(store.process.pid, first_block) >= 1
+    fourth = make_engine(model_dir, store.url)
+    poison_gpu(fourth)
+    run_to_completion(fourth, {"d": (prompt, 2)})
+    assert fourth.workers[0].starts["d"] == [0] and remote_failures(fourth) == 1
 
 
 @pytest.mark.parametrize("async_scheduling", SCHEDULERS)

@@ -58,6 +58,10 @@ class AsyncRemoteClient:
                deadline_s: float | None = None) -> Future[list[bool]]:
         return self._submit("exists", (self._client.check_keys(keys),), deadline_s)
 
+    def delete(self, keys: Sequence[bytes], *,
+               deadline_s: float | None = None) -> Future[list[bool]]:
+        return self._submit("delete", (self._client.check_keys(keys),), deadline_s)
+
     def stats(self, *, deadline_s: float | None = None) -> Future[dict[str, Any]]:
         return self._submit("stats", (), deadline_s)
 

@@ -9,11 +9,19 @@ block stored in the pool is written to the store once its store is done (write-t
 Keys: the scheduler's block index uses the namespace of TP rank 0; lookups ask for those keys
 only (a rank missing a block makes the load fail and vLLM recompute it); each rank's worker puts
 and gets under its own rank's namespace (transfer/remote/worker.py).
+
+A block whose fetch failed (missing at some rank, corrupt, unread in time) is refused from then
+on: lookups end before it and a fetch naming it is not planned, so the request recomputes it
+instead of fetching it again (the store keeps a key's first block on a later put, so a corrupt
+one would fail every fetch; a rank's worker deletes such a block, transfer/remote/worker.py).
+It is offered again once this engine has written it to the store anew. At most MAX_REFUSED
+keys are refused, the oldest forgotten first.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,6 +29,8 @@ from dataclasses import dataclass
 from transfer.remote.async_client import AsyncRemoteClient
 from transfer.remote.settings import RemoteSettings
 from transfer.tier import TierOp, TierPlanner
+
+MAX_REFUSED = 1 << 16
 
 
 @dataclass
@@ -101,29 +111,46 @@ class RemotePlanner(TierPlanner):
                  backoff_s: float | None = None) -> None:
         self.pool_stages = settings.only
         self.lookups = RemoteLookups(settings, namespace_digest, backoff_s)
+        self._refused: OrderedDict[bytes, None] = OrderedDict()  # failed fetches (module doc)
+        self._writing: dict[int, tuple[bytes, ...]] = {}  # write op -> its keys
 
     def lookup(self, req_id: str, keys: Sequence[bytes]) -> int | None:
+        if self._refused:
+            keys = keys[:next((i for i, key in enumerate(keys) if key in self._refused),
+                              len(keys))]
+            if not keys:
+                return 0
         return self.lookups.poll(req_id, keys)
 
     def forget(self, req_id: str) -> None:
         self.lookups.forget(req_id)
 
     def plan_fetch(self, op_id: int, keys: Sequence[bytes], slots: Sequence[int],
-                   segment: str = "") -> TierOp:
+                   segment: str = "") -> TierOp | None:
+        if self._refused and any(key in self._refused for key in keys):
+            return None
         return TierOp(self.name, op_id, False, tuple(keys), tuple(slots), segment=segment)
 
     def complete_fetch(self, op_id: int, keys: Sequence[bytes], bad: Sequence[bytes]) -> None:
-        return  # a block the store lost is a miss next time: nothing to forget here
+        for key in bad:
+            self._refused[key] = None
+            self._refused.move_to_end(key)
+        while len(self._refused) > MAX_REFUSED:
+            self._refused.popitem(last=False)
 
     def plan_write(self, op_id: int, keys: Sequence[bytes], slots: Sequence[int], *,
                    evicted: bool, segment: str = "",
                    sums: Sequence[Sequence[int]] | None = None) -> TierOp | None:
         if evicted:
             return None  # written through: an evicted block is in the store already
+        self._writing[op_id] = tuple(keys)
         return TierOp(self.name, op_id, True, tuple(keys), tuple(slots), segment=segment)
 
     def complete_write(self, op_id: int, bad: Sequence[bytes]) -> None:
-        return  # a failed put is a later miss
+        # a failed put is a later miss; a refused key written anew is offered again
+        for key in self._writing.pop(op_id, ()):
+            if key not in bad:
+                self._refused.pop(key, None)
 
     def take_counters(self) -> dict[str, float]:
         return {"lookup_failures": self.lookups.take_failures()}

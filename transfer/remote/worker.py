@@ -6,6 +6,10 @@ Keys: rank r puts and gets under its own rank's namespace (same hash, rank r's d
 bytes differ. Where every TP rank holds the same bytes (MLA's latent cache), all ranks use rank
 0's keys and only rank 0 puts (`writes`): one copy in the store instead of one per rank; the
 others report their writes done at once.
+
+A get that finds a block damaged in the store (its bytes unlike its checksum, or the wrong size)
+deletes it there: the store keeps a key's first block on a later put, so it would fail every
+fetch of it, by any engine; once deleted, the block this engine recomputes is put anew.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import torch
 
 from transfer.keys import DIGEST_BYTES
 from transfer.remote.async_client import AsyncRemoteClient
-from transfer.remote.backend import TransferResult
+from transfer.remote.backend import BlockStatus, TransferResult
 from transfer.remote.settings import RemoteSettings
 from transfer.tier import OpResult, TierOp, TierWorker
+
+_DAMAGED = frozenset({BlockStatus.CORRUPT, BlockStatus.SIZE})
 
 
 class RemoteFetcher:
@@ -49,6 +55,10 @@ class RemoteFetcher:
 
     def put(self, keys: Sequence[bytes], slots: Sequence[int]) -> Future[TransferResult]:
         return self._putter.put(self.rekey(keys), slots, deadline_s=self.timeout_s)
+
+    def delete(self, keys: Sequence[bytes]) -> Future[list[bool]]:
+        """On the gets' connection: a later get of these keys is sent after it."""
+        return self._getter.delete(self.rekey(keys), deadline_s=self.timeout_s)
 
     def pinned_slots(self) -> frozenset[int]:
         """Slots the transport may still read for a put that timed out (rare). Asked from the
@@ -108,12 +118,24 @@ class RemoteWorker(TierWorker):
                     continue  # a timed-out put zmq still reads: keep the slots reserved
                 ok = (False,) * len(op.keys)
             else:
-                ok = tuple(future.result().ok)
+                result = future.result()
+                ok = tuple(result.ok)
                 if op.is_write and not all(ok) and self._still_read(op):
                     continue
+                if not op.is_write:
+                    self._delete_damaged(op, result)
             del self._calls[op_id]
             out.append(OpResult(self.name, op_id, ok))
         return out
+
+    def _delete_damaged(self, op: TierOp, result: TransferResult) -> None:
+        """Delete the blocks a get found damaged (bytes unlike their checksum, the wrong size):
+        the store keeps a key's first block on a later put, so such a block would fail every
+        engine's every fetch of it. Not awaited: its future is dropped."""
+        damaged = [key for key, status in zip(op.keys, result.statuses, strict=True)
+                   if status in _DAMAGED]
+        if damaged and self._fetcher is not None:
+            self._fetcher.delete(damaged)
 
     def _still_read(self, op: TierOp) -> bool:
         pinned = self._fetcher.pinned_slots() if self._fetcher is not None else frozenset()
