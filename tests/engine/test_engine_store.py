@@ -30,6 +30,7 @@ from engine_support import (
     scheduler_connector,
     settle,
 )
+from process_memory import flip_in_process
 from tiny_llama import prompt_ids
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.engine
 
 SHARED = prompt_ids(21, 200)  # 6 full blocks: 192 tokens go through the store
 LOST = prompt_ids(22, 200)
+DAMAGED = prompt_ids(23, 200)
 STORED_TOKENS = 192
 # Generous for a loopback round trip on a busy machine (a late lookup quietly answers "not in the
 # store", a late get fails the load); the killed store's get waits it out in full.
@@ -52,18 +54,23 @@ def _extra(url: str) -> dict[str, Any]:
             "remote_lookup_deadline_s": REMOTE_DEADLINE_S, "remote_timeout_s": REMOTE_DEADLINE_S}
 
 
-def _kill_whole_store(store: StoreProcess) -> None:
-    """SIGKILL the store and its worker processes at once. A store runs a process per worker
-    (the default: half the cores, so 8 on 16 and 1 on 2); SIGKILL to the first alone leaves the
-    others serving until they notice it gone, and a get sent meanwhile may bring back the blocks
-    they hold (checksummed, so good ones, and vLLM recomputes the request whole anyway)."""
+def _store_workers(store: StoreProcess) -> list[int]:
+    """The store's worker processes (a store runs a process per worker: by default half the
+    cores, so 8 on 16 and 1 on 2)."""
     parent = store.process.pid
     workers = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         with suppress(OSError):
             if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
                 workers.append(int(entry))
-    for pid in workers:
+    return workers
+
+
+def _kill_whole_store(store: StoreProcess) -> None:
+    """SIGKILL the store and its worker processes at once: SIGKILL to the first alone leaves the
+    others serving until they notice it gone, and a get sent meanwhile may bring back the blocks
+    they hold (checksummed, so good ones, and vLLM recomputes the request whole anyway)."""
+    for pid in _store_workers(store):
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     store.kill()
@@ -160,3 +167,61 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
     assert again.num_cached_tokens == STORED_TOKENS, again
     assert gained["kvconnector_load_bytes"] == STORED_TOKENS // 32 * block_bytes(), gained
     expect_corruption_seen(llm, LOST, reused, STORED_TOKENS)
+
+
+def _slot_bytes(worker: Any, slot: int) -> bytes:  # runs on each worker (collective_rpc)
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.pool.slots[slot].numpy().tobytes()
+
+
+def test_a_block_damaged_in_the_store_is_recomputed_once_then_stored_anew(
+        second_engine: LLM, store: StoreProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bit flipped in the store's RAM in the third of a prompt's six blocks: the load that
+    fetches it fails, the request loads the two blocks before it and computes the rest (its
+    keys refused from then on, and the store drops the damaged block), output identical; the
+    recomputed block is put anew, and the prompt then loads whole from the store."""
+    llm = second_engine
+    connector = scheduler_connector(llm)
+    seen: list[list[bytes]] = []
+    finish = connector.request_finished_all_groups
+
+    def spy(request: Any, block_ids: Any) -> Any:
+        seen.append(list(request.block_hashes))
+        return finish(request, block_ids)
+
+    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
+    forget_everything(llm)
+    first = generate(llm, DAMAGED)
+    assert first.num_cached_tokens == 0, first
+    settle(llm)  # stored here and put to the store
+    core = connector._core()
+    (key,) = core._keys(core.groups[0], [seen[0][2]])
+    (block,) = set(llm.collective_rpc(_slot_bytes, args=(core.index.slot_of(key),)))
+    changed = 0
+    for pid in [store.process.pid, *_store_workers(store)]:
+        try:
+            changed += flip_in_process(pid, block)
+        except PermissionError as exc:
+            pytest.skip(f"cannot write the store process's memory here: {exc}")
+    assert changed >= 1, "the block's bytes are not in the store"
+    forget_everything(llm)  # the blocks are in the store only
+    before = counters(llm)
+    got = generate(llm, DAMAGED)
+    gained = counted(llm, before)
+    assert got.same_output(first), (first, got)
+    assert gained["kvconnector_failed_loads"] == 1, gained  # once: never fetched again
+    # the two blocks before it: the failed load's good head, then the load after it
+    assert gained["kvconnector_load_bytes"] == 2 * 2 * block_bytes(), gained
+    assert gained["kvconnector_hit_tokens"] == STORED_TOKENS + 2 * STORED_TOKENS // 6, gained
+    monkeypatch.undo()
+    # Put anew (the store dropped the damaged one): from the store whole, as vLLM's own cache
+    # serves it. Negative control: the same load from zeroed slots changes the output.
+    reused = generate(llm, DAMAGED)  # from vLLM's own prefix cache
+    assert reused.num_cached_tokens == STORED_TOKENS, reused
+    forget_everything(llm)
+    again, gained = reload(llm, DAMAGED, reused)
+    assert again.num_cached_tokens == STORED_TOKENS, again
+    assert gained["kvconnector_remote_hit_tokens"] == STORED_TOKENS, gained
+    assert gained["kvconnector_failed_loads"] == 0, gained
+    expect_corruption_seen(llm, DAMAGED, reused, STORED_TOKENS)
