@@ -130,9 +130,9 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
         allocated(request, blocks, num_external_tokens)
 
     def restart_then_look_up(request: Any, num_computed_tokens: int) -> Any:
-        # After the failed load vLLM looks the request up again: the store is back, empty, its
-        # workers on new ports, which the lookup client asks for (a dead store, or the old
-        # workers' ports, would hold it for the whole lookup deadline, for the same answer: none)
+        # After the failed load vLLM looks the request up again (the failed keys are refused,
+        # answered at once): the store is back, empty, its workers on new ports, for the puts
+        # of the recomputed blocks that follow
         if killed and store.process.poll() is not None:
             store.start()
         return looked_up(request, num_computed_tokens)
