@@ -151,8 +151,8 @@ def test_the_store_killed_between_lookup_and_load_recomputes_identically(
     assert gained["kvconnector_failed_loads"] == 1, gained  # the request's one load job
     # every worker died before the get: nothing to load (the get waits out its deadline)
     assert gained["kvconnector_load_bytes"] == 0, gained
-    # the new lookup reached the restarted store, not the dead workers' ports: answered, no miss
-    # for a failure (nor a store counted down for 10 lookup deadlines)
+    # the new lookup answered from the refused keys, without a round trip: no miss for a
+    # failure (nor a store counted down for 10 lookup deadlines)
     assert gained["kvconnector_remote_lookup_failures"] == 0, gained
     assert gained["kvconnector_hit_tokens"] == STORED_TOKENS, gained  # the first lookup only
     assert gained["kvconnector_miss_tokens"] == STORED_TOKENS, gained  # the one after the failure
