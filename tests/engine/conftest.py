@@ -50,15 +50,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 @pytest.fixture
 def finished_hashes(llm: Any, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
     """The block hashes of each request as it finishes (to find its slots in the index)."""
-    from engine_support import scheduler_connector
+    from engine_support import record_finished_hashes
 
-    connector = scheduler_connector(llm)
-    seen: list[list[bytes]] = []
-    finish = connector.request_finished_all_groups
-
-    def spy(request: Any, block_ids: Any) -> Any:
-        seen.append(list(request.block_hashes))
-        return finish(request, block_ids)
-
-    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
-    return seen
+    return record_finished_hashes(llm, monkeypatch)

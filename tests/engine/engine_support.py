@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tiny_llama import HEAD_SIZE, MAX_MODEL_LEN, NUM_KV_HEADS, NUM_LAYERS
 
 if TYPE_CHECKING:
+    import pytest
     from vllm import LLM
 
     from kvconnector.vllm import CrossLayerOffloadConnector
@@ -227,6 +228,21 @@ def corrupt_pools(llm: LLM) -> int:
     """Zero every host pool slot on every worker (the index still lists the blocks, so the next
     load copies zeros into vLLM's KV cache); returns the slots zeroed, all workers together."""
     return sum(llm.collective_rpc(_zero_pool))
+
+
+def record_finished_hashes(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+    """The block hashes of each request as it finishes (appended to the list returned), to find
+    its slots in the index; undone with `monkeypatch`."""
+    connector = scheduler_connector(llm)
+    seen: list[list[bytes]] = []
+    finish = connector.request_finished_all_groups
+
+    def spy(request: Any, block_ids: Any) -> Any:
+        seen.append(list(request.block_hashes))
+        return finish(request, block_ids)
+
+    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
+    return seen
 
 
 def scheduler_connector(llm: LLM) -> CrossLayerOffloadConnector:

@@ -26,6 +26,7 @@ from engine_support import (
     counters,
     forget_everything,
     generate,
+    record_finished_hashes,
     running_llm,
     scheduler_connector,
     settle,
@@ -183,14 +184,7 @@ def test_a_block_damaged_in_the_store_is_recomputed_once_then_stored_anew(
     recomputed block is put anew, and the prompt then loads whole from the store."""
     llm = second_engine
     connector = scheduler_connector(llm)
-    seen: list[list[bytes]] = []
-    finish = connector.request_finished_all_groups
-
-    def spy(request: Any, block_ids: Any) -> Any:
-        seen.append(list(request.block_hashes))
-        return finish(request, block_ids)
-
-    monkeypatch.setattr(connector, "request_finished_all_groups", spy)
+    seen = record_finished_hashes(llm, monkeypatch)
     forget_everything(llm)
     first = generate(llm, DAMAGED)
     assert first.num_cached_tokens == 0, first
