@@ -87,7 +87,7 @@ def test_a_commit_without_valid_checksums_changes_nothing(bad: object) -> None:
 
 @pytest.mark.parametrize("bad", [[None, None], [None, -1], [None, 1 << 64], [None, True],
                                  [None, 5.0], (None, "5"), [5, None], [None, 5, None, 6],
-                                 [None], [None, None, 5, None], 5])
+                                 [None], [None, None, 5, None], 5, [{}, 5], [[1], 5]])
 def test_a_commit_by_row_sums_with_one_bad_list_changes_nothing(bad: object) -> None:
     """A GPU writer's commit (every list a nil, then a row sum) is checked a column at a time;
     one list that is not such a valid list sends it through the per-key check, which refuses."""

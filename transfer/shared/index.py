@@ -520,9 +520,12 @@ def _row_sums_only(sums: Sequence[object]) -> bool:
         return False
     columns = list(zip(*sums, strict=True))
     ranks = length // 2
-    return all(set(column) == {None} for column in columns[:ranks]) and all(
-        set(map(type, column)) == {int} and min(column) >= 0 and max(column) < _UINT64_END
-        for column in columns[ranks:])
+    try:
+        return all(set(column) == {None} for column in columns[:ranks]) and all(
+            set(map(type, column)) == {int} and min(column) >= 0 and max(column) < _UINT64_END
+            for column in columns[ranks:])
+    except TypeError:  # an unhashable value where a nil belongs: the per-key check names it
+        return False
 
 
 def _unsummed(key: bytes) -> str:
