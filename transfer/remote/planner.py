@@ -112,7 +112,7 @@ class RemotePlanner(TierPlanner):
         self.pool_stages = settings.only
         self.lookups = RemoteLookups(settings, namespace_digest, backoff_s)
         self._refused: OrderedDict[bytes, None] = OrderedDict()  # failed fetches (module doc)
-        self._writing: dict[int, tuple[bytes, ...]] = {}  # write op -> its keys
+        self._writing: dict[int, list[bytes]] = {}  # write op -> the refused keys it writes
 
     def lookup(self, req_id: str, keys: Sequence[bytes]) -> int | None:
         if self._refused:
@@ -143,7 +143,8 @@ class RemotePlanner(TierPlanner):
                    sums: Sequence[Sequence[int]] | None = None) -> TierOp | None:
         if evicted:
             return None  # written through: an evicted block is in the store already
-        self._writing[op_id] = tuple(keys)
+        if self._refused and (anew := [key for key in keys if key in self._refused]):
+            self._writing[op_id] = anew
         return TierOp(self.name, op_id, True, tuple(keys), tuple(slots), segment=segment)
 
     def complete_write(self, op_id: int, bad: Sequence[bytes]) -> None:

@@ -51,6 +51,7 @@ from itertools import repeat
 from operator import itemgetter
 
 from transfer.block_index import BlockIndex, StorePlan
+from transfer.checksums import all_uint64
 from transfer.keys import DIGEST_BYTES
 from transfer.shared.protocol import MAX_KEY_BYTES, brief
 
@@ -463,11 +464,10 @@ class SharedBlockIndex:
         if not isinstance(keys, list | tuple):
             raise ValueError(f"expected a list of keys, got {brief(keys)}")
         namespaces = self.leases[client].namespaces
-        if keys and set(map(type, keys)) == {bytes} \
-                and min(map(len, keys)) > DIGEST_BYTES and max(map(len, keys)) <= MAX_KEY_BYTES \
-                and namespaces.issuperset(map(_DIGEST, keys)):
-            pass  # passes in C over the keys; else a pass that names the bad key
-        else:
+        # passes in C over the keys; on a failure, a pass that names the bad key
+        if not (keys and set(map(type, keys)) == {bytes}
+                and min(map(len, keys)) > DIGEST_BYTES and max(map(len, keys)) <= MAX_KEY_BYTES
+                and namespaces.issuperset(map(_DIGEST, keys))):
             self._name_foreign_key(namespaces, keys)
         if unique and len(set(keys)) != len(keys):
             twice = next(key for key, count in Counter(keys).items() if count > 1)
@@ -521,9 +521,8 @@ def _row_sums_only(sums: Sequence[object]) -> bool:
     columns = list(zip(*sums, strict=True))
     ranks = length // 2
     try:
-        return all(set(column) == {None} for column in columns[:ranks]) and all(
-            set(map(type, column)) == {int} and min(column) >= 0 and max(column) < _UINT64_END
-            for column in columns[ranks:])
+        return all(set(column) == {None} for column in columns[:ranks]) and \
+            all(map(all_uint64, columns[ranks:]))
     except TypeError:  # an unhashable value where a nil belongs: the per-key check names it
         return False
 
