@@ -91,6 +91,7 @@ class _Entry:
 
 _STORING = attrgetter("storing")
 _SLOT = attrgetter("slot")
+_PINS = attrgetter("pins")
 
 
 class BlockIndex:
@@ -296,22 +297,34 @@ class BlockIndex:
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Slots of stored keys, pinned (never evicted) until complete_load."""
         keys = self._checked_keys(keys)
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is None:
-                raise ValueError(f"key {key.hex()} is not stored")
-            if entry.storing:
-                raise ValueError(f"key {key.hex()} is still being stored")
-        for key in reversed(keys):  # tail first: the head of the prefix ends most recent
-            entry = self._entries[key]
-            self._num_idle -= entry.idle
+        entries = list(map(self._entries.get, keys))
+        if not all(entries) or any(map(_STORING, entries)):  # an entry is always true
+            for key, entry in zip(keys, entries, strict=True):
+                if entry is None:
+                    raise ValueError(f"key {key.hex()} is not stored")
+                if entry.storing:
+                    raise ValueError(f"key {key.hex()} is still being stored")
+        idle = 0
+        for entry in entries:  # stored, none storing: idle where unpinned
+            idle += not entry.pins
             entry.pins += 1
-            self.policy.access(key)
-        return LoadPlan(keys, [self._entries[key].slot for key in keys])
+        self._num_idle -= idle
+        self.policy.access_all(reversed(keys))  # tail first: the prefix's head ends most recent
+        return LoadPlan(keys, list(map(_SLOT, entries)))
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpin keys read by a finished load (once per prepare_load that named them)."""
         keys = self._checked_keys(keys)
+        entries = list(map(self._entries.get, keys))
+        if all(entries) and all(map(_PINS, entries)) and (
+                not self._draining or self._draining.keys().isdisjoint(keys)):
+            # the usual unpin: every key stored and pinned, none draining (one pass, no lookups)
+            idle = 0
+            for entry in entries:
+                entry.pins -= 1
+                idle += not entry.pins and not entry.storing
+            self._num_idle += idle
+            return
         for key in keys:
             entry = self._entries.get(key) or self._draining.get(key)
             if entry is None or entry.pins == 0:

@@ -54,6 +54,41 @@ def test_completions_of_what_a_client_does_not_hold_are_ignored() -> None:
     assert index.checksums(1, keys) == sums(1)
 
 
+def _pins(index: SharedBlockIndex, client: int) -> dict[bytes, int]:
+    return dict(index.leases[client].pins)
+
+
+def test_an_unpin_drops_each_named_pin_once_and_only_the_clients_own() -> None:
+    """complete_load's usual case (every key named once, pinned once by this lease) and each way
+    out of it: a key pinned twice, a key named twice, a key not pinned, another lease's pin, a
+    bad value; the index's counts of idle keys follow (what eviction may take)."""
+    index = make(num_slots=6)
+    index.open(3, [A.digest], 1000)
+    keys = A.keys([b"u0", b"u1", b"u2", b"u3"])
+    plan = index.prepare_store(1, keys)
+    index.complete_store(1, plan.keys, [True] * 4, sums(4))
+    idle = index.index.num_reclaimable
+    index.prepare_load(1, keys)
+    index.prepare_load(1, keys[:1])  # u0 pinned twice
+    index.prepare_load(3, keys[1:2])  # u1 pinned by another lease too
+    assert index.index.num_reclaimable == idle - 4
+    index.complete_load(1, keys[1:3])  # the usual unpin
+    assert _pins(index, 1) == {keys[0]: 2, keys[3]: 1} and _pins(index, 3) == {keys[1]: 1}
+    assert index.index.num_reclaimable == idle - 3  # u2 idle; u1 still pinned by client 3
+    for bad in ([keys[0], [1]], [keys[0], b"short"], "not a list"):
+        with pytest.raises(ValueError):
+            index.complete_load(1, bad)  # type: ignore[arg-type]
+        assert _pins(index, 1) == {keys[0]: 2, keys[3]: 1}
+    index.complete_load(1, [keys[3], keys[3]])  # named twice, pinned once: unpinned once
+    index.complete_load(1, [keys[0], keys[2]])  # pinned twice; not pinned by this lease
+    assert _pins(index, 1) == {keys[0]: 1} and index.index.num_reclaimable == idle - 2  # u3
+    index.complete_load(1, keys[:1])
+    index.complete_load(3, keys[1:2])
+    assert _pins(index, 1) == _pins(index, 3) == {} and index.index.num_reclaimable == idle
+    assert len(index.prepare_store(2, B.keys([b"x0", b"x1", b"x2", b"x3", b"x4", b"x5"])).keys) \
+        == 6  # every unpinned block evicted for another namespace's store
+
+
 def test_a_commit_naming_keys_it_does_not_hold_commits_the_rest_with_their_own_sums() -> None:
     """Keys another client stores, or none does, are skipped; each held key keeps its own flag
     and checksums (a mixed commit, as after a store the daemon dropped part of)."""
