@@ -62,7 +62,10 @@ class ChildServer:
         """Run the command without waiting (a previous run's pipe is closed)."""
         self._close_pipe()
         python_path = os.pathsep.join(filter(None, [PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1"}
+        # PYTHONSAFEPATH (Python >= 3.11): `python -m` puts no working directory ahead of that,
+        # so a copy of the tree there (a checkout beside the one running) is never imported
+        env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1",
+               "PYTHONSAFEPATH": "1"}
         log = None if self.log_path is None else self.log_path.open("ab")
         try:
             stdout = subprocess.PIPE if self.ready_line is not None else log

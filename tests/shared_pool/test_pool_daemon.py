@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import socket
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -31,6 +32,24 @@ NOBODY = 65534
 def pool(tmp_path: Path) -> Iterator[PoolProcess]:
     with PoolProcess(tmp_path / "pool.log", f"d{uuid.uuid4().hex[:10]}") as process:
         yield process
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_the_daemon_runs_the_parents_tree_whatever_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` would import a tree in the working directory before the parent's (another
+    checkout, a benchmark's variant): the child must run the code its parent runs."""
+    decoy = tmp_path / "cwd" / "kvconnector"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy tree was imported')\n")
+    monkeypatch.chdir(decoy.parent)
+    with PoolProcess(tmp_path / "pool.log", f"d{uuid.uuid4().hex[:10]}") as process:
+        client = PoolClient(process.name, [NS], 100)
+        try:
+            assert client.info.slot_bytes > 0
+        finally:
+            client.close()
+    assert "decoy" not in (tmp_path / "pool.log").read_text()
 
 
 def segments_of(name: str) -> list[str]:
