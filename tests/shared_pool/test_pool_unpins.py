@@ -111,10 +111,37 @@ def test_a_malformed_unpin_drops_its_client_alone_with_its_pins(daemon: PoolDaem
     assert reader.client.closed and reader.client.id not in daemon.index.leases
     assert daemon.dropped == 1 and other.pins() == {k: 1 for k in keys[:5]}
     assert daemon.stats()["pinned"] == 5
-    other.send(p.COMPLETE_LOAD, [[1]] * (UNPIN_SLICE + 1))  # not keys: dropped at its slice
-    assert other.pins() == {k: 1 for k in keys[:5]} and not other.client.closed
-    daemon._unpin_slice()
-    assert other.client.closed and daemon.dropped == 2 and daemon.stats()["pinned"] == 0
+    with pytest.raises(ValueError, match="an array of 1 items"):  # not keys: never queued,
+        other.send(p.COMPLETE_LOAD, [[1]] * (UNPIN_SLICE + 1))  # refused whole (the loop drops it)
+    assert other.pins() == {k: 1 for k in keys[:5]} and daemon.stats()["unpins_queued"] == 0
+
+
+def test_only_a_notice_of_more_than_a_slice_of_distinct_keys_waits(daemon: PoolDaemon) -> None:
+    """A flood of notices naming one key many times queues nothing (each is applied at once)."""
+    reader, writer = Peer(daemon), Peer(daemon)
+    keys = stored(writer, 0, BIG)
+    reader.ask(p.PREPARE_LOAD, keys)
+    for key in keys[:3]:
+        reader.send(p.COMPLETE_LOAD, [key] * (UNPIN_SLICE + 1))
+    assert daemon.stats()["unpins_queued"] == 0 and len(reader.pins()) == BIG - 3
+
+
+def test_an_unpin_failing_for_any_reason_drops_only_its_client(
+        daemon: PoolDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug met while a queued unpin is applied (outside the client's own frames) must not end
+    the loop nor drop the client whose request happened to apply it."""
+    reader, writer = Peer(daemon), Peer(daemon)
+    keys = stored(writer, 0, BIG)
+    reader.ask(p.PREPARE_LOAD, keys)
+    reader.send(p.COMPLETE_LOAD, keys)
+
+    def broken(client: int, unpinned: list[bytes]) -> None:
+        raise KeyError("a broken invariant")
+
+    monkeypatch.setattr(daemon.index, "complete_load", broken)
+    writer.ask(p.PREPARE_STORES, [[NS.key(10_000)]])  # applies every queued unpin first
+    assert reader.client.closed and not writer.client.closed
+    assert daemon.stats()["unpins_queued"] == 0 and daemon.stats()["pinned"] == 0
 
 
 def test_queued_unpins_are_bounded_and_go_with_their_client(

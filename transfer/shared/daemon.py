@@ -20,11 +20,12 @@ or hold what others need for long; the bounds are PoolLimits':
 - output: answers are sent without blocking; while a client's answer is unsent the daemon reads
   nothing more from it, unsent answers hold at most `max_unsent_bytes` together (past it the
   largest goes), and a client that leaves an answer unread for `reply_timeout_s` is dropped.
-- unpins: a finished load's notice of over UNPIN_SLICE keys is applied UNPIN_SLICE keys a turn
-  of the loop, so a commit another engine sends meanwhile waits for one slice, not the whole
-  (a 3276-key unpin held a commit 1.5-2.6 ms on an H200 host). A client's later verbs see its
-  unpins applied, a store's placement sees every unpin received (room), and past
-  MAX_QUEUED_UNPINS keys queued every one is applied at once.
+- unpins: a finished load's notice of over UNPIN_SLICE distinct keys, all bytes (each at most
+  MAX_KEY_BYTES: at most MAX_QUEUED_UNPINS of them held), is applied UNPIN_SLICE keys a turn of
+  the loop, so a commit another engine sends meanwhile waits for one slice, not the whole (a
+  3276-key unpin held a commit 1.5-2.6 ms on an H200 host); any other notice is applied at once.
+  A client's later verbs see its unpins applied, a store's placement sees every unpin received
+  (room), and past MAX_QUEUED_UNPINS keys queued every one is applied at once.
 - errors: a client whose request or notice is malformed is dropped (its lease released), one
   whose request is refused gets `[False, why]`; texts and log lines quote at most a short
   prefix of a bad value (protocol.brief), and log lines are rate-limited.
@@ -297,7 +298,7 @@ class PoolDaemon:
         if client.closed:
             return
         client.closed = True
-        self._forget_unpins(client)  # release drops all its pins
+        self._take_unpins(client)  # forgotten: release drops all its pins
         self._pending_bytes -= len(client.pending)
         self._unsent_bytes -= 0 if client.unsent is None else len(client.unsent)
         client.pending = bytearray()
@@ -465,8 +466,13 @@ class PoolDaemon:
     # ---- unpins in slices -------------------------------------------------------------------
 
     def _queue_unpin(self, client: _Client, keys: list[Any] | tuple[Any, ...]) -> None:
-        unique = list(dict.fromkeys(keys))  # named twice: unpinned once, in any slice
-        self._unpins.append([client, unique, 0])
+        # Only keys are held (a non-bytes value could be a large array), and only a notice of
+        # more than a slice: at most MAX_QUEUED_UNPINS / UNPIN_SLICE entries wait.
+        if set(map(type, keys)) != {bytes} or \
+                len(unique := list(dict.fromkeys(keys))) <= UNPIN_SLICE:
+            self._notice(client.id, p.COMPLETE_LOAD, (keys,))  # a bad one drops the client
+            return
+        self._unpins.append([client, unique, 0])  # named twice: unpinned once, in any slice
         self._queued_unpins += len(unique)
         if self._queued_unpins > MAX_QUEUED_UNPINS:
             self._apply_unpins(None)
@@ -487,29 +493,31 @@ class PoolDaemon:
 
     def _apply_unpins(self, client: _Client | None) -> None:
         """Apply the rest of every queued unpin of `client` (None: of every client)."""
-        due = [e for e in self._unpins if client is None or e[0] is client]
-        if not due:
-            return
-        self._unpins = deque() if client is None else \
-            deque(e for e in self._unpins if e[0] is not client)
-        for entry in due:
-            self._queued_unpins -= len(entry[1]) - entry[2]
-        for entry in due:
+        for entry in self._take_unpins(client):
             self._unpin(entry[0], entry[1][entry[2]:])
 
+    def _take_unpins(self, client: _Client | None) -> list[list[Any]]:
+        """Remove and return the queued unpins of `client` (None: every one)."""
+        if not self._unpins:
+            return []
+        taken = [e for e in self._unpins if client is None or e[0] is client]
+        self._unpins = deque(e for e in self._unpins if client is not None and e[0] is not client)
+        self._queued_unpins -= sum(len(e[1]) - e[2] for e in taken)
+        return taken
+
     def _unpin(self, client: _Client, keys: list[Any]) -> None:
+        """Apply an unpin of the client's; whatever fails, only that client goes (this runs
+        outside its own frames: in the loop, or in another client's request)."""
         if client.closed:
             return
         try:
             self.index.complete_load(client.id, keys)
-        except (ValueError, TypeError) as exc:  # a malformed notice: the client goes
+        except (ValueError, TypeError) as exc:  # a malformed notice
             self._drop(client, p.clip(f"{type(exc).__name__}: {exc}"))
-
-    def _forget_unpins(self, client: _Client) -> None:
-        for entry in self._unpins:
-            if entry[0] is client:
-                self._queued_unpins -= len(entry[1]) - entry[2]
-        self._unpins = deque(e for e in self._unpins if e[0] is not client)
+        except Exception as exc:  # a bug: say so, keep serving the others
+            log.error("pool %s: client %d's unpin failed: %s", self.name, client.id,
+                      p.clip(repr(exc)))
+            self._drop(client)
 
     # ---- the verbs -------------------------------------------------------------------------
 
