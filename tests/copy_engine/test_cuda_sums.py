@@ -1,9 +1,9 @@
 """Row sums on CUDA lanes (transfer/copy/cuda_sums.py), on a real GPU and a pinned pool.
 
-A summed store reports the sums a CPU computes from the same bytes; a checked load lands only
-its leading blocks whose slots match (every byte compared against a poisoned cache), through
-staging buffers reused many times over; it follows the compute stream, and a store of its
-blocks follows it.
+A summed store reports the sums a CPU computes from the same bytes, and ends only once copied
+(its sums run beside its copies); a checked load lands only its leading blocks whose slots
+match (every byte compared against a poisoned cache), through staging buffers reused many times
+over; it follows the compute stream, and a store of its blocks follows it.
 """
 
 from __future__ import annotations
@@ -102,6 +102,27 @@ def test_a_summed_store_reports_what_a_cpu_sums_of_its_bytes(rig: Rig) -> None:
     assert list(result.sums) == to_unsigned(row_sums(host))
     assert torch.equal(rig.pool.slots[slots], host)  # and the copy itself is exact
     assert len(set(result.sums)) == 20
+
+
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_summed_store_ends_only_once_its_copies_and_its_sums_are_done(backend: str) -> None:
+    """Its sums run beside its copies (both read the same GPU rows); the job still ends only
+    once every byte is copied: 512 blocks copy for ~5 ms, their sums take a fraction of that,
+    so a job ending with its sums would show its last slot not yet written."""
+    rig = Rig(backend, num_blocks=512, num_slots=512)
+    try:
+        ids, slots = list(range(511, -1, -1)), list(range(512))
+        assert rig.engine.submit_store(1, ids, slots, sums=True)
+        assert rig.engine.wait(timeout=120)
+        last = rig.pool.slots[slots[-1]].clone()  # the last copy's slot, read at once
+        (result,) = rig.finished().values()
+        host = rig.rows.cpu()[ids]
+        assert result.ok and torch.equal(last, host[-1])
+        assert torch.equal(rig.pool.slots[slots], host)
+        assert list(result.sums) == to_unsigned(row_sums(host))
+    finally:
+        rig.close()
 
 
 @gpu

@@ -126,7 +126,7 @@ class StreamLane(Lane):
                 else:
                     self._issue(copy, self.stream)
                     if copy.take_sums:
-                        output = self._summing().issue_store(copy, self.stream, end)
+                        output = self._summing().issue_store(copy, self.stream, start, end)
             except Exception as exc:  # reported as a failed job, never raised into the step
                 log.error("job %s: issuing %d copies failed: %s", copy.job_id,
                           len(copy.src_rows) * len(copy.pairs), exc)
