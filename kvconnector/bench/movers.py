@@ -14,7 +14,7 @@ import torch
 from kvconnector.layout.allocator import KVBuffer
 from transfer.copy.base import CopyBackend, Segment
 from transfer.copy.factory import make_backend
-from transfer.engine import TransferEngine
+from transfer.engine import DEFAULT_MAX_STORE_BYTES, TransferEngine
 from transfer.pool import HostPool
 
 
@@ -52,7 +52,11 @@ class EngineMover:
         else:
             copier = make_backend("auto" if backend == "vllm" else backend, device)
             self.name = f"transfer engine, {copier.name} backend"
-        self.engine = TransferEngine(segments, copier)
+        # Both ways in turns has a whole set's stores in flight at once (4 GiB at 4 MiB
+        # blocks): bounded by the cache here, not by an engine's default.
+        cache_bytes = sum(seg.gpu.numel() for seg in segments)  # uint8 rows
+        self.engine = TransferEngine(segments, copier,
+                                     max_store_bytes=max(cache_bytes, DEFAULT_MAX_STORE_BYTES))
         self._ids = itertools.count()
 
     def store(self, dev_ids: list[int], host_ids: list[int]) -> int:

@@ -157,7 +157,8 @@ def print_report(record: dict[str, Any], console: Any) -> None:
     side = "GPU" if record["meta"]["device_type"] == "cuda" else "host"
     table = Table(title=f"kvconnector bench: {record['meta']['mover']}, random non-adjacent ids",
                   caption=f"load: pool -> {side} cache; store: {side} cache -> pool; both: "
-                          "the two at once. GB/s (ratio of the same-run ceiling); host us per "
+                          "the two at once (a few jobs each way, submitted in turns). GB/s "
+                          "(ratio of the same-run ceiling); host us per "
                           "block submitted (ratio of one plain copy call); prefix load ms "
                           "(ratio: ideal at the load ceiling / measured). layer-major: one copy "
                           f"per layer per block ({record['meta']['baseline']}).")

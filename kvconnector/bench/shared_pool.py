@@ -284,7 +284,11 @@ def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
         if hash_later:
             later.append(checker.hash_checked(pool.slots, slots[part], keys[part],
                                               result.sums))
-    index.pool_stats()  # every commit applied: readable
+    # Every commit applied (readable): a client's requests are answered in order, so its
+    # lookup of the last key comes back after every commit it sent (a lookup, not `stats`,
+    # which also sums every lease's pins).
+    if index.lookup_prefix(keys[-1:]) != 1:
+        raise RuntimeError("the last block stored is not readable")
     committed()
     if not hash_later:
         return

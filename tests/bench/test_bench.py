@@ -80,7 +80,7 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
         assert set(case["layouts"]) == {"block_major", "layer_major"}
         for r in case["layouts"].values():
             for key, ceiling in (("h2d", "h2d_gbps"), ("d2h", "d2h_gbps"),
-                                 ("bidir", "bidir_gbps")):
+                                 ("bidir", "bidir_gbps"), ("bidir_pair", "bidir_gbps")):
                 assert r[key]["gbps"] > 0
                 assert r[key]["ratio"] == pytest.approx(r[key]["gbps"] / ceil[ceiling])
                 assert len(r[key]["seconds"]) == 1
