@@ -14,9 +14,9 @@ Ordering and back-pressure:
   byte moves (submit returns False, get_finished reports it not ok); loads are never dropped;
 - nothing here blocks the caller except `wait` and `close`.
 Row sums (transfer/copy/row_sums.py), where the blocks are one segment of whole 32-bit words
-(`can_sum`): a store with `sums=True` reports the sums of its blocks once copied; a load with
-`expect` is checked on the way (staged, summed, compared) and only its leading blocks that
-match reach the GPU (`CopyResult.good`).
+(`can_sum`): a store with `sums=True` reports the sums of its blocks (taken beside its
+copies); a load with `expect` is checked on the way (staged, summed, compared) and only its
+leading blocks that match reach the GPU (`CopyResult.good`).
 Bad input raises ValueError before any byte moves. Call from one thread (the worker's).
 """
 
@@ -165,7 +165,7 @@ class TransferEngine:
         """Queue GPU blocks -> pool slots; False when dropped under pressure (nothing copied).
 
         The copy sees everything the caller's current stream had queued before this call.
-        `sums`: the job also sums its blocks once copied (`CopyResult.sums`).
+        `sums`: the job also sums its blocks, beside its copies (`CopyResult.sums`).
         """
         if sums:
             self._check_can_sum(job_id)

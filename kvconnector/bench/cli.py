@@ -385,7 +385,13 @@ def _run(args: argparse.Namespace) -> int:
     from kvconnector.bench.redis_tier import measure_redis, redis_steps
     from kvconnector.bench.remote import measure_remote, remote_steps
     from kvconnector.bench.report import LAYOUT_LABELS
-    from kvconnector.bench.runner import LAYOUTS, CaseRun, allocate_arenas, case_capacity
+    from kvconnector.bench.runner import (
+        BOTH_WAYS_JOBS,
+        LAYOUTS,
+        CaseRun,
+        allocate_arenas,
+        case_capacity,
+    )
     from kvconnector.bench.shared_pool import measure_shared, shared_steps
 
     out, err = Console(), Console(stderr=True)
@@ -468,6 +474,8 @@ def _run(args: argparse.Namespace) -> int:
                 "arenas_ready_s": arenas.ready_s,
                 "repeats": args.repeats,
                 "ids": "random, non-adjacent within a job; bidirectional sets disjoint",
+                "both_ways": f"bidir: {BOTH_WAYS_JOBS} jobs each way, submitted in turns; "
+                             "bidir_pair: one whole store job, then one whole load job",
                 "wall_s": time.perf_counter() - started,
             },
             "ceilings": ceilings.as_dict(),

@@ -62,7 +62,7 @@ class EngineMover:
     def store(self, dev_ids: list[int], host_ids: list[int]) -> int:
         job = next(self._ids)
         if not self.engine.submit_store(job, dev_ids, host_ids):
-            raise RuntimeError(f"store job {job} was dropped: the benchmark never overlaps stores")
+            raise RuntimeError(f"store job {job} was dropped: over the bound of stores in flight")
         return job
 
     def load(self, host_ids: list[int], dev_ids: list[int]) -> int:

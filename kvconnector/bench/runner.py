@@ -199,17 +199,20 @@ def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
         h2d.append(one_job(lambda: mover.load(a_host, a_dev)))
 
     def both_ways(jobs_each_way: int) -> float:
-        step = -(-len(a_dev) // jobs_each_way)
+        count = min(jobs_each_way, len(a_dev))
+        bounds = [len(a_dev) * j // count for j in range(count + 1)]  # as even as they go
         t0 = time.perf_counter()
         jobs = []
-        for i in range(0, len(a_dev), step):
-            part = slice(i, i + step)
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            part = slice(start, end)
             jobs += [mover.store(a_dev[part], a_host[part]), mover.load(b_host[part], b_dev[part])]
         mover.wait(jobs)
         return time.perf_counter() - t0
 
-    bidir = [both_ways(BOTH_WAYS_JOBS) for _ in range(repeats)]
-    bidir_pair = [both_ways(1) for _ in range(repeats)]
+    bidir, bidir_pair = [], []
+    for _ in range(repeats):  # in turns: a drift in time reaches both figures alike
+        bidir.append(both_ways(BOTH_WAYS_JOBS))
+        bidir_pair.append(both_ways(1))
 
     prefix_s = []
     for _ in range(repeats):

@@ -92,6 +92,7 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
     assert case["layouts"]["layer_major"]["copies_per_job"] == 80 * 8  # one per layer per block
     assert case["layouts"]["block_major"]["copies_per_job"] == 8
     assert record["meta"]["device_type"] == "cpu"
+    assert record["meta"]["both_ways"].startswith("bidir: 4 jobs each way")
     assert record["meta"]["command"].startswith("kvconnector bench --preset llama-3.1-70b-tp8")
     shared = record["shared_pool"]["rows"]
     assert [row["case"] for row in shared] == [c["case"]["name"] for c in record["cases"]]

@@ -5,9 +5,9 @@ A `Segment` pairs a 2-D uint8 GPU tensor (rows = GPU block ids) with a 2-D uint8
 copy per block); the fallback for other caches has one per layer (one copy per layer per block).
 A `RowCopy` is one job over all segments: row `src_rows[i]` -> row `dst_rows[i]` of each, issued
 as one batch. With one segment it may also carry row sums (transfer/copy/row_sums.py): a store's
-`take_sums` sums its GPU rows once copied; a load's `expect` goes through a staging copy first,
-and only its leading rows whose sums match go on into the GPU rows (`Completion.good` says how
-many).
+`take_sums` sums its GPU rows beside its copies; a load's `expect` goes through a staging copy
+first, and only its leading rows whose sums match go on into the GPU rows (`Completion.good`
+says how many).
 
 A `Lane` runs row copies in submission order (a CUDA stream, or a worker thread on CPU), each
 after the `Completion`s it names; `submit` returns a Completion at once and never blocks.
@@ -59,7 +59,7 @@ class RowCopy:
     pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     src_rows: np.ndarray  # int64
     dst_rows: np.ndarray  # int64
-    take_sums: bool = False  # a store: the row sums of its GPU rows, once copied
+    take_sums: bool = False  # a store: the row sums of its GPU rows, beside its copies
     expect: np.ndarray | None = None  # a load: each row's sum (int64), checked before it lands
 
     @property

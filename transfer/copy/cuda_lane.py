@@ -119,6 +119,8 @@ class StreamLane(Lane):
             start.record(self.stream)
             error: BaseException | None = None
             output = None
+            if self._sums is not None:  # what a failure below hands on is this job's alone
+                self._sums.holding = None
             try:
                 if copy.expect is not None:
                     output = self._summing().issue_load(copy, self.stream, self._issue,
