@@ -49,7 +49,7 @@ BASELINE = "redis-benchmark --cluster SET/GET, same value size, one connection p
 _MIN_BASELINE_BYTES = 512 << 20  # a first guess; runs too short to time are redone longer
 _TICK_S = 0.25  # redis-benchmark's progress clock
 MIN_TICKS = 4  # progress ticks a timed run must reach: >= 1 s timed
-_MAX_ATTEMPTS = 8
+_MAX_ATTEMPTS = 10
 _TIMEOUT_S = 120.0
 _KEY_PATTERN = "key:{*}:__rand_int__"  # redis-benchmark's SET/GET key without -r
 
@@ -138,9 +138,12 @@ class RedisBenchmark:
                 if not missing:
                     self._requests[kind] = requests
                     return BaselineRun(rate, requests)
-            # twice MIN_TICKS at the rate seen so far (short runs understate it: setup, the
-            # final figure's idle wait), and at least double
-            requests = max(2 * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 2))
+            # Twice MIN_TICKS at the rate seen so far, and at least 4x after a run too short to
+            # time (such a run reads its rate low: setup, the final figure's idle wait; from 8
+            # requests, doubling took up to 7 runs to time one), 2x after a timed run that missed
+            # a master.
+            grow = 2 if ticks >= MIN_TICKS else 4
+            requests = max(grow * requests, math.ceil(rate * MIN_TICKS * _TICK_S * 2))
         if missing:
             raise RuntimeError(self._no_value_message(value_bytes, missing))
         raise RuntimeError(f"{TOOL} {op}: runs stayed under {MIN_TICKS} progress ticks "
