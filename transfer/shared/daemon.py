@@ -500,8 +500,11 @@ class PoolDaemon:
         """Remove and return the queued unpins of `client` (None: every one)."""
         if not self._unpins:
             return []
-        taken = [e for e in self._unpins if client is None or e[0] is client]
-        self._unpins = deque(e for e in self._unpins if client is not None and e[0] is not client)
+        if client is None:
+            taken, self._unpins = list(self._unpins), deque()
+        else:
+            taken = [e for e in self._unpins if e[0] is client]
+            self._unpins = deque(e for e in self._unpins if e[0] is not client)
         self._queued_unpins -= sum(len(e[1]) - e[2] for e in taken)
         return taken
 
