@@ -224,12 +224,12 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
     stalled.bind("tcp://127.0.0.1:*")
     sent: list[Exchange] = []
     unsent_at_close: list[int] = []
-    send, disconnect = Connection.send, Connection._disconnect
+    send, reconnect = Connection.send, Connection.reconnect
     monkeypatch.setattr(Connection, "send", lambda self, request, **kw: (
         sent.append(request), send(self, request, **kw))[1])
-    monkeypatch.setattr(Connection, "_disconnect", lambda self: (
+    monkeypatch.setattr(Connection, "reconnect", lambda self: (
         unsent_at_close.append(sum(not t.done for r in sent for t in r.trackers)),
-        disconnect(self))[1])
+        reconnect(self))[1])
     pool = torch.zeros((512, BLOCK), dtype=torch.uint8)
     keys = NS.keys([b"p%d" % i for i in range(512)])
 

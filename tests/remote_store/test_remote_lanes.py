@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from kvconnector.servers.store import StoreProcess
 from transfer.keys import Namespace
 from transfer.remote.backend import BlockStatus
 from transfer.remote.store.client import StoreClient, blocks_per_batch
+from transfer.remote.store.connection import Connection, Exchange
 from transfer.remote.store.lanes import deal, default_connections, spread_batch
 from transfer.remote.store.security import Security
 from transfer.remote.store.shards import shard_of
@@ -100,7 +104,15 @@ class Relay:
         for sock in pair:  # one side gone: drop the whole connection, both ways
             _close(sock)
 
+    def cut_now(self) -> None:
+        """Cut every connection carried so far (those made later are carried on)."""
+        self.was_cut.set()
+        for sock in list(self._sockets):
+            _close(sock)
+
     def close(self) -> None:
+        with suppress(OSError):  # wakes the accepting thread (closing alone does not)
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for sock in self._sockets:
             _close(sock)
@@ -237,6 +249,48 @@ def test_a_connection_cut_mid_job_fails_its_own_blocks_only(op: str, store: Stor
         ok = [i for i in range(COUNT) if i not in failed]
         assert torch.equal(target[ok], source[ok])
         assert bool((target[failed] == POISON).all())
+
+
+def test_a_cut_between_the_frames_of_a_request_leaves_no_slot_pinned(
+        store: StoreProcess, source: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libzmq drops, without ever releasing them, the frames already queued of a message whose
+    connection ends before its last frame: their trackers never finish. Nothing reads them once
+    the closed socket is destroyed, so the put leaves none of its slots pinned."""
+    _forget(store)
+    relay = Relay(store.url, cut=-1, direction="up", after=0)  # cut by hand, below
+    first_request: list[zmq.MessageTracker] = []
+    send = Connection.send
+
+    class CutAfterTheFirstFrame(list):
+        def __iter__(self) -> Iterator[Any]:
+            frames = super().__iter__()
+            yield next(frames)
+            relay.cut_now()
+            time.sleep(0.3)  # the socket learns of the cut at its next send, the next frame
+            yield from frames
+
+    def send_and_cut(connection: Connection, request: Exchange, **kwargs: Any) -> None:
+        if request.frames and not first_request:
+            request.frames = CutAfterTheFirstFrame(request.frames)
+            send(connection, request, **kwargs)
+            first_request.extend(request.trackers)
+        else:
+            send(connection, request, **kwargs)
+
+    monkeypatch.setattr(Connection, "send", send_and_cut)
+    options = {**OPTIONS, "connections": 1, "timeout_s": 5.0}
+    try:
+        with StoreClient(relay.url, NONE, pool=source, **options) as client:
+            result = client.put(KEYS, range(COUNT))
+            assert result.statuses[:2] == (BlockStatus.FAILED,) * 2
+            assert len(first_request) == 2 and not first_request[0].done  # zmq never let go
+            assert result.pinned_slots == () and client.pinned_slots == frozenset()
+            again = client.put(KEYS[:8], range(8))  # the same client goes on
+            assert again.statuses == (BlockStatus.OK,) * 8 and again.pinned_slots == ()
+    finally:
+        relay.close()
+    statuses = _check_in_store(store, source)  # nothing corrupt stored
+    assert statuses[:8] == (BlockStatus.OK,) * 8
 
 
 def test_requests_are_dealt_by_their_blocks() -> None:

@@ -6,9 +6,10 @@ requests in flight.
 The DEALER is `immediate` (nothing is queued for a store that is not connected, so a send waits
 for a live connection instead) and watched by a zmq monitor: a connection lost during a call, or
 a handshake the store refuses, fails the call's requests at once rather than at their timeout.
-After any failure the socket is closed (unsent frames are dropped, their trackers complete) and
-a fresh one connects, so a late reply can never reach a slot the caller took back and a
-restarted store is found again.
+After any failure the socket is closed (unsent frames are dropped) and a fresh one connects, so
+a late reply can never reach a slot the caller took back and a restarted store is found again;
+once libzmq has destroyed the old socket, no frame sent on it is read again, so the failed
+requests' slots are free even where libzmq never reports a frame done.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 import zmq
@@ -31,7 +33,10 @@ _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _SNDMORE, _NOBLOCK, _RCVMORE = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.RCVMORE)
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_MONITOR_STOPPED)
+# libzmq destroys a closed socket on its reaper thread, within a millisecond or so
+_DESTROY_WAIT_S = 1.0
+_monitor_ids = count()
 
 
 class StoreError(Exception):
@@ -109,7 +114,10 @@ class Connection:
     def close(self) -> None:
         """Close the socket; frames not yet sent are dropped."""
         if self._sock is not None:
-            self._disconnect()
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close(linger=0)
+            self._sock = None
 
     @property
     def lost(self) -> bool:
@@ -182,6 +190,8 @@ class Connection:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected, self._refusal, self._lost = True, "", False
                 continue
+            if event == zmq.EVENT_MONITOR_STOPPED:  # the context is ending
+                continue
             if event == zmq.EVENT_DISCONNECTED:
                 lost, self._connected = self._connected, False
                 self._lost = self._lost or lost
@@ -210,7 +220,10 @@ class Connection:
             sock.affinity = 1 << self._io_thread
             sock.maxmsgsize = self._max_frame_bytes
             self._security.apply_client(sock, self.url)
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            # an address of its own: pyzmq's default names the socket's fd, which the next
+            # socket may reuse while libzmq still tears down the old one's monitor
+            monitor = sock.get_monitor_socket(
+                _MONITOR_EVENTS, f"inproc://kvconnector.monitor.{next(_monitor_ids)}")
             sock.connect(self.url)
         except Exception:
             if monitor is not None:
@@ -222,13 +235,33 @@ class Connection:
         self._poller = zmq.Poller()
         self._poller.register(self._monitor, _POLLIN)
 
-    def _disconnect(self) -> None:
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-        self._sock = None
-
-    def reconnect(self) -> None:
-        """Drop the socket (unsent frames are discarded) and connect a fresh one."""
-        self._disconnect()
+    def reconnect(self) -> bool:
+        """Drop the socket (unsent frames are discarded) and connect a fresh one. True once
+        libzmq has destroyed the old socket, its pipes, sessions and engines: nothing reads a
+        frame sent on it any more, even one whose tracker never finishes (libzmq drops the
+        parts already queued of a multipart message whose connection ends mid-message without
+        releasing them: one cut in about 150 left a put's slot pinned for good)."""
+        destroyed = False
+        if self._sock is not None:
+            sock, monitor = self._sock, self._monitor
+            self._sock = None
+            sock.close(linger=0)
+            try:
+                destroyed = _destroyed(monitor)
+            finally:
+                monitor.close(linger=0)
         self._connect()
+        return destroyed
+
+
+def _destroyed(monitor: zmq.Socket) -> bool:
+    """Whether the socket `monitor` watches, just closed, is destroyed within _DESTROY_WAIT_S:
+    its monitor's last event (EVENT_MONITOR_STOPPED) is sent by the socket's destructor, which
+    runs once every session (and so every engine and pipe) of the socket is gone."""
+    deadline = time.monotonic() + _DESTROY_WAIT_S
+    while (remaining_ms := math.ceil((deadline - time.monotonic()) * 1000)) > 0:
+        if not monitor.poll(remaining_ms):
+            return False
+        if recv_monitor_message(monitor)["event"] == zmq.EVENT_MONITOR_STOPPED:
+            return True
+    return False

@@ -147,14 +147,19 @@ class Lane:
 
     def _fail(self, shard: int, error: str, pending: list[dict[int, Exchange]],
               queue: deque[Exchange]) -> None:
-        """Connection `shard` failed: its requests (sent or not) get `error`; it reconnects."""
-        for request in pending[shard].values():
+        """Connection `shard` failed: its requests (sent or not) get `error`; it reconnects.
+        Once its old socket is destroyed, the sent requests' frames are no longer lent to zmq
+        (their trackers are dropped), so their pool slots are not left pinned."""
+        sent = list(pending[shard].values())
+        for request in sent:
             request.error = error
         pending[shard].clear()
         for request in [r for r in queue if r.shard == shard]:
             request.error = error
             queue.remove(request)
-        self.connections[shard].reconnect()
+        if self.connections[shard].reconnect():
+            for request in sent:
+                request.trackers.clear()
 
     def _poller(self) -> tuple[zmq.Poller, dict[Any, tuple[int, bool]]]:
         poller, sockets = zmq.Poller(), {}
