@@ -9,6 +9,7 @@ import pytest
 import torch
 import zmq
 
+import transfer.remote.store.connection as connection_module
 from transfer.checksums import block_checksum
 from transfer.keys import Namespace
 from transfer.remote.async_client import AsyncRemoteClient
@@ -225,8 +226,9 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
     sent: list[Exchange] = []
     unsent_at_close: list[int] = []
     send, reconnect = Connection.send, Connection.reconnect
+    trackers: list[zmq.MessageTracker] = []
     monkeypatch.setattr(Connection, "send", lambda self, request, **kw: (
-        sent.append(request), send(self, request, **kw))[1])
+        sent.append(request), send(self, request, **kw), trackers.extend(request.trackers))[1])
     monkeypatch.setattr(Connection, "reconnect", lambda self: (
         unsent_at_close.append(sum(not t.done for r in sent for t in r.trackers)),
         reconnect(self))[1])
@@ -248,10 +250,37 @@ def test_a_failed_put_leaves_no_slot_lent_to_zmq(monkeypatch: pytest.MonkeyPatch
             pinger.join()
             assert result.statuses == (BlockStatus.FAILED,) * 512
             assert unsent_at_close[0] > 0  # zmq still held frames when the put gave up
-            assert result.pinned_slots == ()  # closing the socket released every one
-            assert client.pinned_slots == frozenset()
+            assert result.pinned_slots == () and client.pinned_slots == frozenset()
+            for tracker in trackers:  # closing the socket let go of every frame
+                tracker.wait(5)
     finally:
         stalled.close(linger=0)
+
+
+def test_a_socket_destroyed_late_blocks_no_later_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A closed socket's monitor stays open until libzmq has destroyed the socket: its
+    destructor sends the monitor's last event with a blocking send, and with the monitor closed
+    sooner libzmq's reaper thread would hang there, destroying no later socket."""
+    store = zmq.Context.instance().socket(zmq.ROUTER)
+    store.bind("tcp://127.0.0.1:*")
+    context = zmq.Context(io_threads=1)
+    connection = Connection(store.last_endpoint.decode(), NONE, context=context, io_thread=0,
+                            max_frame_bytes=1 << 20)
+    destroyed = connection_module._destroyed
+    late = iter([True])  # the first socket closed is "not destroyed in time"
+
+    def destroyed_late(monitor: zmq.Socket, wait_s: float) -> bool:
+        return False if next(late, False) else destroyed(monitor, wait_s)
+
+    monkeypatch.setattr(connection_module, "_destroyed", destroyed_late)
+    try:
+        assert connection.reconnect() is False  # its slots would stay pinned
+        assert connection.reconnect() is True  # the next one is destroyed, the late one too
+        assert connection.reconnect() is True
+    finally:
+        connection.close()
+        context.destroy(linger=0)
+        store.close(linger=0)
 
 
 def test_get_refuses_slots_still_lent_to_zmq(fake: Callable[..., FakeStore]) -> None:

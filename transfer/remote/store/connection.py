@@ -75,6 +75,11 @@ class Connection:
         self._max_frame_bytes = max_frame_bytes
         self._context = context
         self._sock: zmq.Socket | None = None
+        # monitors of closed sockets libzmq has not destroyed yet: each is closed only after
+        # its socket's last event, which the socket's destructor sends with a blocking send, so
+        # closing the monitor sooner would block libzmq's reaper thread (and every later
+        # socket's destruction) until the context ends
+        self._retiring: list[zmq.Socket] = []
         self._connect()
 
     @property
@@ -112,12 +117,16 @@ class Connection:
         return BlockStatus.OK, ""
 
     def close(self) -> None:
-        """Close the socket; frames not yet sent are dropped."""
+        """Close the socket; frames not yet sent are dropped. The context is ended next (the
+        lanes' close), which frees a reaper blocked on a retiring monitor closed here."""
         if self._sock is not None:
-            self._sock.disable_monitor()
+            self._sock.disable_monitor()  # its last event now, while the monitor is open
             self._monitor.close(linger=0)
             self._sock.close(linger=0)
             self._sock = None
+        for monitor in self._retiring:
+            monitor.close(linger=0)
+        self._retiring = []
 
     @property
     def lost(self) -> bool:
@@ -227,6 +236,7 @@ class Connection:
             sock.connect(self.url)
         except Exception:
             if monitor is not None:
+                sock.disable_monitor()  # its last event now, while the monitor is open
                 monitor.close(linger=0)
             sock.close(linger=0)
             raise
@@ -240,28 +250,32 @@ class Connection:
         libzmq has destroyed the old socket, its pipes, sessions and engines: nothing reads a
         frame sent on it any more, even one whose tracker never finishes (libzmq drops the
         parts already queued of a multipart message whose connection ends mid-message without
-        releasing them: one cut in about 150 left a put's slot pinned for good)."""
+        releasing them: one cut in about 150 left a put's slot pinned for good). False after
+        _DESTROY_WAIT_S: the old socket's slots then stay pinned."""
         destroyed = False
         if self._sock is not None:
-            sock, monitor = self._sock, self._monitor
+            closed = self._monitor
+            self._retiring.append(closed)
+            self._sock.close(linger=0)
             self._sock = None
-            sock.close(linger=0)
-            try:
-                destroyed = _destroyed(monitor)
-            finally:
-                monitor.close(linger=0)
+            retiring = []
+            for monitor in self._retiring:
+                if _destroyed(monitor, _DESTROY_WAIT_S if monitor is closed else 0.0):
+                    monitor.close(linger=0)
+                    destroyed |= monitor is closed
+                else:
+                    retiring.append(monitor)
+            self._retiring = retiring
         self._connect()
         return destroyed
 
 
-def _destroyed(monitor: zmq.Socket) -> bool:
-    """Whether the socket `monitor` watches, just closed, is destroyed within _DESTROY_WAIT_S:
-    its monitor's last event (EVENT_MONITOR_STOPPED) is sent by the socket's destructor, which
-    runs once every session (and so every engine and pipe) of the socket is gone."""
-    deadline = time.monotonic() + _DESTROY_WAIT_S
-    while (remaining_ms := math.ceil((deadline - time.monotonic()) * 1000)) > 0:
-        if not monitor.poll(remaining_ms):
-            return False
+def _destroyed(monitor: zmq.Socket, wait_s: float) -> bool:
+    """Whether the closed socket `monitor` watches is destroyed, waiting up to `wait_s`: its
+    monitor's last event (EVENT_MONITOR_STOPPED) is sent by the socket's destructor, which runs
+    once every session (and so every engine and pipe) of the socket is gone."""
+    deadline = time.monotonic() + wait_s
+    while monitor.poll(max(0, math.ceil((deadline - time.monotonic()) * 1000))):
         if recv_monitor_message(monitor)["event"] == zmq.EVENT_MONITOR_STOPPED:
             return True
     return False
