@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -203,7 +204,7 @@ def _measure_layout(case: Case, segments: list[Segment], mover: EngineMover,
         bounds = [len(a_dev) * j // count for j in range(count + 1)]  # as even as they go
         t0 = time.perf_counter()
         jobs = []
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        for start, end in pairwise(bounds):
             part = slice(start, end)
             jobs += [mover.store(a_dev[part], a_host[part]), mover.load(b_host[part], b_dev[part])]
         mover.wait(jobs)

@@ -120,9 +120,7 @@ class Connection:
         """Close the socket; frames not yet sent are dropped. The context is ended next (the
         lanes' close), which frees a reaper blocked on a retiring monitor closed here."""
         if self._sock is not None:
-            self._sock.disable_monitor()  # its last event now, while the monitor is open
-            self._monitor.close(linger=0)
-            self._sock.close(linger=0)
+            _close_at_once(self._sock, self._monitor)
             self._sock = None
         for monitor in self._retiring:
             monitor.close(linger=0)
@@ -235,10 +233,7 @@ class Connection:
                 _MONITOR_EVENTS, f"inproc://kvconnector.monitor.{next(_monitor_ids)}")
             sock.connect(self.url)
         except Exception:
-            if monitor is not None:
-                sock.disable_monitor()  # its last event now, while the monitor is open
-                monitor.close(linger=0)
-            sock.close(linger=0)
+            _close_at_once(sock, monitor)
             raise
         self._sock, self._monitor = sock, monitor
         self._connected, self._refusal, self._lost = False, "", False
@@ -268,6 +263,15 @@ class Connection:
             self._retiring = retiring
         self._connect()
         return destroyed
+
+
+def _close_at_once(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Close a socket and its monitor without waiting for libzmq to destroy the socket: the
+    monitor is stopped first (its last event sent now, while the monitor is open)."""
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def _destroyed(monitor: zmq.Socket, wait_s: float) -> bool:
