@@ -260,6 +260,13 @@ class BlockIndex:
         if not set(map(type, flags)) <= {bool}:
             bad = next(flag for flag in flags if type(flag) is not bool)
             raise ValueError(f"ok flags must be bool, got {bad!r}")
+        return self.commit_checked(keys, flags)
+
+    def commit_checked(self, keys: list[bytes], flags: list[bool]) -> list[int | None]:
+        """`complete_store` of keys and flags its caller has checked as `complete_store` does
+        (well-formed keys, each named once; one bool per key): the shared pool's index checks
+        every commit whole before it calls this, and a GPU writer's commits are the daemon's
+        busiest request."""
         # Checked whole before anything changes; a commit of keys all stored ok and none
         # draining (the usual one) is then applied without a branch a key.
         entries = list(map(self._entries.get, keys))

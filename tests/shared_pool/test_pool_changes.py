@@ -58,6 +58,21 @@ def test_a_reader_the_log_left_behind_gets_the_whole_list() -> None:
     assert (nxt, whole, sorted(held)) == (6, True, sorted([True, k] for k in keys[2:]))
 
 
+def test_a_full_log_keeps_each_entry_with_its_meaning() -> None:
+    """The log drops its oldest entries as it fills: what each kept entry says (stored or
+    removed) stays with its own key."""
+    index = make(num_slots=8)
+    index.log = ChangeLog(size=3)
+    keys = A.keys([b"k0", b"k1", b"k2"])
+    store(index, 1, keys[:2])  # entries 0, 1: k0, k1 stored
+    index.discard(1, keys[:1])  # 2: k0 removed
+    store(index, 1, keys[2:])  # 3: k2 stored; entry 0 is dropped
+    assert index.changes(2, 0)[1] is True  # entry 0 is gone: the whole list instead
+    assert index.changes(2, 1) == [4, False, [[True, keys[1]], [False, keys[0]],
+                                              [True, keys[2]]]]
+    assert index.changes(2, 2) == [4, False, [[False, keys[0]], [True, keys[2]]]]
+
+
 @pytest.mark.parametrize("since", [-2, True, "0", 99, 1.5])
 def test_a_bad_sequence_number_is_refused(since: object) -> None:
     with pytest.raises(ValueError, match="changes since"):

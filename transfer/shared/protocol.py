@@ -137,7 +137,7 @@ def _check_depth(message: tuple[Any, ...]) -> None:
     """ValueError when arrays nest deeper than MAX_DEPTH (checked without recursion)."""
     level, depth = [message], 1
     while level:
-        inner = [item for array in level for item in array if isinstance(item, tuple)]
+        inner = [item for array in level for item in array if type(item) is tuple]
         if inner and depth == MAX_DEPTH:
             raise ValueError(f"arrays nested deeper than {MAX_DEPTH}: no request has those")
         level, depth = inner, depth + 1
