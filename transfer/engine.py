@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -331,18 +332,36 @@ class TransferEngine:
 
 def _ids(values: object, limit: int, what: str) -> np.ndarray:
     """`values` as a 1-D int64 array of ids in [0, limit); ValueError naming the first bad one."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().numpy()
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}s must be a 1-D sequence, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{what}s must be integers, got {arr.dtype} values {arr[:4].tolist()}")
-    arr = arr.astype(np.int64)  # a copy: the caller may reuse its array (its job keeps these)
+    arr = _from_ints(values) if isinstance(values, list | tuple) else None
+    if arr is None:
+        if isinstance(values, torch.Tensor):
+            values = values.detach().cpu().numpy()
+        arr = np.asarray(values)
+        if arr.ndim != 1:
+            raise ValueError(f"{what}s must be a 1-D sequence, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"{what}s must be integers, got {arr.dtype} values "
+                             f"{arr[:4].tolist()}")
+        arr = arr.astype(np.int64)  # a copy: the caller may reuse its array (its job keeps it)
     # min and max first: a job's ids are checked before its first copy, on its critical path.
     if arr.size and (arr.min() < 0 or arr.max() >= limit):
         bad = (arr < 0) | (arr >= limit)
         raise ValueError(f"{what} {int(arr[bad][0])} out of range [0, {limit})")
+    return arr
+
+
+def _from_ints(values: list | tuple) -> np.ndarray | None:
+    """A list or tuple of ints (a worker's job carries its ids as a tuple) as a new int64
+    array, packed by struct: a fifth to a third of numpy's time from Python ints, and a job's
+    ids are converted before its first copy. None where a value is not an int in int64's range
+    or the first is a bool: numpy's way then takes them, and names what is wrong."""
+    if not values or isinstance(values[0], bool | np.bool_):
+        return None
+    arr = np.empty(len(values), dtype=np.int64)
+    try:
+        struct.pack_into(f"{len(values)}q", arr, 0, *values)
+    except struct.error:  # a float, a str, a nested list, an int past int64
+        return None
     return arr
 
 

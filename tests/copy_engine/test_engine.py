@@ -162,6 +162,14 @@ def test_ids_as_numpy_and_tensor(rig: Rig) -> None:
     assert torch.equal(rig.pool.slots[1], rig.cache.block_chunks()[9])
 
 
+def test_ids_as_a_tuple_and_a_list_of_ints_of_any_kind(rig: Rig) -> None:
+    """A worker's job carries its ids as a tuple: numpy ints in it count as ints."""
+    assert rig.engine.submit_store(1, (np.int64(6), 7, 2), [5, np.int32(0), 8])
+    assert rig.engine.wait(None, TIMEOUT)
+    for slot, block in ((5, 6), (0, 7), (8, 2)):
+        assert torch.equal(rig.pool.slots[slot], rig.cache.block_chunks()[block])
+
+
 def test_empty_job_finishes(rig: Rig) -> None:
     assert rig.engine.submit_load(7, [], [])
     assert rig.engine.wait([7], TIMEOUT)
@@ -407,6 +415,9 @@ def test_failed_store_fails_dependent_load_without_writing() -> None:
     (lambda e: e.submit_load(1, [0, 1], [9, 9]), "destination GPU block id 9"),
     (lambda e: e.submit_store(1, [0.5], [1]), "must be integers"),
     (lambda e: e.submit_store(1, [True], [1]), "must be integers"),
+    (lambda e: e.submit_store(1, (0, 0.5), (1, 2)), "must be integers"),  # past the first
+    (lambda e: e.submit_load(1, [2**70], [0]), "must be integers"),  # past int64
+    (lambda e: e.submit_load(1, [0, "1"], [0, 1]), "must be integers"),
     (lambda e: e.submit_store(1, [[0]], [[1]]), "1-D"),
     (lambda e: e.submit_store("x", [0], [1]), "job id must be an int"),
     (lambda e: e.check_load(1, [0, 24], [0, 1]), "slot id 24 out of range"),
