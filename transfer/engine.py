@@ -360,7 +360,7 @@ def _from_ints(values: list | tuple) -> np.ndarray | None:
     arr = np.empty(len(values), dtype=np.int64)
     try:
         struct.pack_into(f"{len(values)}q", arr, 0, *values)
-    except struct.error:  # a float, a str, a nested list, an int past int64
+    except Exception:  # a float, a str, a list, an int past int64, an __index__ that raises
         return None
     return arr
 

@@ -405,6 +405,13 @@ def test_failed_store_fails_dependent_load_without_writing() -> None:
         r.close()
 
 
+class BadIndex:
+    """An id whose int conversion raises."""
+
+    def __index__(self) -> int:
+        raise RuntimeError("no int here")
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda e: e.submit_store(1, [40], [0]), "GPU block id 40 out of range"),
     (lambda e: e.submit_store(1, [0], [24]), "slot id 24 out of range"),
@@ -418,6 +425,7 @@ def test_failed_store_fails_dependent_load_without_writing() -> None:
     (lambda e: e.submit_store(1, (0, 0.5), (1, 2)), "must be integers"),  # past the first
     (lambda e: e.submit_load(1, [2**70], [0]), "must be integers"),  # past int64
     (lambda e: e.submit_load(1, [0, "1"], [0, 1]), "must be integers"),
+    (lambda e: e.submit_load(1, (0, BadIndex()), (0, 1)), "must be integers"),
     (lambda e: e.submit_store(1, [[0]], [[1]]), "1-D"),
     (lambda e: e.submit_store("x", [0], [1]), "job id must be an int"),
     (lambda e: e.check_load(1, [0, 24], [0, 1]), "slot id 24 out of range"),
