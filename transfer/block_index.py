@@ -262,7 +262,7 @@ class BlockIndex:
             raise ValueError(f"ok flags must be bool, got {bad!r}")
         return self.commit_checked(keys, flags)
 
-    def commit_checked(self, keys: list[bytes], flags: list[bool]) -> list[int | None]:
+    def commit_checked(self, keys: Sequence[bytes], flags: Sequence[bool]) -> list[int | None]:
         """`complete_store` of keys and flags its caller has checked as `complete_store` does
         (well-formed keys, each named once; one bool per key): the shared pool's index checks
         every commit whole before it calls this, and a GPU writer's commits are the daemon's

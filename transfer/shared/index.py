@@ -335,7 +335,7 @@ class SharedBlockIndex:
             held = [i for i, key in enumerate(keys) if key in storing]
             held_keys = [keys[i] for i in held]
             held_flags, held_sums = [flags[i] for i in held], [sums[i] for i in held]
-        slots = self.index.commit_checked(held_keys, list(held_flags))
+        slots = self.index.commit_checked(held_keys, held_flags)
         storing.difference_update(held_keys)
         all_sums, unhashed = self._sums, self._unhashed
         if row_sums_only and None not in slots:  # a GPU writer's usual commit, in bulk
