@@ -6,11 +6,12 @@ threads hashing them (the checksums its commit carries); this process loads them
 GPU cache by DMA, straight from the shared slots, each block only once its checksum matched, as
 an engine does: by row sums, checked on the way by the copy engine (staged on the GPU, summed,
 copied on), and again by xxh3 on checker threads (as for blocks without row sums), and compares
-every byte. Reported against same-run ceilings (kvconnector.bench.ceilings: one 2 GiB pinned
-memcpy each way, two at once): the loads (>= 2 MiB blocks, one-way ceiling), both directions at
-once (the writer storing a second set while this process loads by row sums, bidirectional
-ceiling), and the metadata cost per block (lookup + pin + unpin; allocate + commit) on the
-client side, in microseconds, per block of a batch of n.
+every byte. Reported against raw pinned copies taken in turns with the rounds (one 1 GiB copy of
+a round's direction before it: kvconnector.bench.ceilings.RawCopies) and against the ceilings
+taken before the pool runs (one 2 GiB pinned memcpy each way, two at once): the loads, the
+writer's stores, both directions at once (the writer storing a second set while this process
+loads by row sums), and the metadata cost per block (lookup + pin + unpin; allocate + commit)
+on the client side, in microseconds, per block of a batch of n.
 
     python benchmarks/bench_shared_pool.py [--block-sizes 2MiB,4MiB] [--repeats 5] [--json PATH]
 
@@ -99,14 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         row = measure_one(size, n, device, args.repeats)
         add_ratios(row, ceilings)
         rows.append(row)
-        print(f"block {size >> 10} KiB x {n}: load {row['load_gbps']:.2f} GB/s "
-              f"({row['load_ratio']:.3f} of the one-way ceiling); both at once "
-              f"{row['bidir_gbps']:.2f} GB/s ({row['bidir_ratio']:.3f} of bidirectional); "
-              f"writer store committed by row sums {row['store_gbps']:.2f} GB/s "
-              f"({row['store_ratio']:.3f} of the store ceiling; its xxh3s "
+        raw, once = row["raw"], row["ceiling_ratios"]
+        print(f"block {size >> 10} KiB x {n}: raw copies in turns with the rounds: load "
+              f"{raw['h2d_gbps']:.2f}, store {raw['d2h_gbps']:.2f}, both {raw['bidir_gbps']:.2f} "
+              f"GB/s; of those (of the ceilings above): load {row['load_ratio']:.3f} "
+              f"({once['load']:.3f}), store {row['store_ratio']:.3f} ({once['store']:.3f}), "
+              f"both {row['bidir_ratio']:.3f} ({once['both']:.3f})", flush=True)
+        print(f"  load {row['load_gbps']:.2f} GB/s, both at once {row['bidir_gbps']:.2f} GB/s, "
+              f"writer store committed by row sums {row['store_gbps']:.2f} GB/s (its xxh3s "
               f"attached {row['late_hash_s'] * 1e3:.0f} ms after the last commit, "
               f"{row['late_hash_gbps']:.2f} GB/s from the store's start); load checked by xxh3 "
-              f"{row['xxh3_load_gbps']:.2f} GB/s ({row['xxh3_load_ratio']:.3f}) "
+              f"{row['xxh3_load_gbps']:.2f} GB/s ({row['xxh3_load_ratio']:.3f} of raw) "
               f"on {row['check_threads']} threads; metadata per "
               f"block: load {row['load_meta_us']:.2f} us, store {row['store_meta_us']:.2f} us",
               flush=True)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 CEILING_COPY_BYTES = 2 << 30  # the ceilings are 2 GiB copies (docs/benchmarks.md)
+RAW_COPY_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}  # one raw copy in turns with rounds
 PLAIN_CALL_BYTES = 4096
 PLAIN_CALLS = 1000
 
@@ -139,6 +140,44 @@ def raw_copies(device_buffers: tuple[torch.Tensor, torch.Tensor],
 
     return {"h2d": lambda: lanes.submit(d0.copy_, h0).result(),
             "d2h": lambda: lanes.submit(h0.copy_, d0).result(), "bidir": cpu_both}
+
+
+class RawCopies:
+    """Raw copies of one process, taken in turns with a bench's rounds (before each round, one of
+    its direction): as the ceilings take them (`raw_copies`), on buffers of its own. The host's
+    limit moves while a bench runs (other tenants of the host, other engines), so a round is held
+    against a raw copy of its moment, not against a ceiling taken a minute before."""
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device, self.size = device, size
+        self._cuda = device.type == "cuda"
+        self._host = torch.empty(2 * size, dtype=torch.uint8, pin_memory=self._cuda)
+        self._dev = torch.empty(2 * size, dtype=torch.uint8, device=device)
+        self._host.fill_(1)  # touched before any copy is timed
+        self._dev.fill_(2)
+        self._lanes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-raw")
+        self._copies = raw_copies((self._dev[:size], self._dev[size:]),
+                                  (self._host[:size], self._host[size:]), self._lanes)
+
+    def timed(self, direction: str) -> tuple[float, float]:
+        """One raw copy of `direction` ("h2d", "d2h", "bidir"): its (start, end) by time.time(),
+        which other processes' spans share."""
+        sync(self.device)
+        t0 = time.time()
+        self._copies[direction]()
+        sync(self.device)
+        return t0, time.time()
+
+    def gbps(self, direction: str) -> float:
+        """One raw copy of `direction`, as GB/s (both directions' bytes for "bidir")."""
+        t0, t1 = self.timed(direction)
+        return (2 if direction == "bidir" else 1) * self.size / (t1 - t0) / 1e9
+
+    def close(self) -> None:
+        """Stop the lanes and let the buffers go."""
+        self._lanes.shutdown()
+        self._copies = {}
+        self._host = self._dev = torch.empty(0, dtype=torch.uint8)
 
 
 def _measure_round(device_arena: torch.Tensor, host_arena: torch.Tensor,

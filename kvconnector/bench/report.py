@@ -94,7 +94,8 @@ def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
         lines += [f"  {row['case']}: {judged('load by xxh3', row['xxh3_load_ratio'])}"
                   for row in rows]
         return lines
-    lines = [f"verdicts against the same-run pinned copies, the PCIe limit; {SCALE}:"]
+    lines = [f"verdicts against raw pinned copies taken in turns with the rounds, the PCIe "
+             f"limit of the moment; {SCALE}:"]
     lines += [f"  {row['case']}: {judged('load', row['load_ratio'])}, "
               f"{judged('writer store', row['store_ratio'])}, "
               f"{judged('load by xxh3', row['xxh3_load_ratio'])}, "
@@ -193,11 +194,11 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
         return
     st = Table(title="shared host pool: blocks another process stored, loaded into this "
                      "process's cache straight from the pool's slots",
-               caption="writer store GB/s, committed by row sums (ratio of the same-run store "
-                       "ceiling); load GB/s (ratio of the one-way ceiling), checked by row sums "
-                       "on the way (what GPU engines do) and by xxh3 on threads (blocks without "
-                       "row sums); both: the writer "
-                       "storing while this process loads (ratio of the bidirectional ceiling); "
+               caption="ratios of raw pinned copies of each phase's direction taken in turns "
+                       "with its rounds; writer store GB/s, committed by row sums; load GB/s, "
+                       "checked by row sums on the way (what GPU engines do) and by xxh3 on "
+                       "threads (blocks without row sums); both: the writer storing while "
+                       "this process loads (against raw copies both ways at once); "
                        "metadata us per block, client side: lookup + pin + unpin (load), "
                        "allocate + commit (store)")
     for col in ("case", "block", "blocks", "writer store", "load", "load by xxh3", "both",

@@ -17,11 +17,15 @@ SlotChecker.hash_checked) and attached (`add_sums`), since this process also loa
 lease needs them; the writer's, a GPU engine's without a tier below, would not): `late_hash_s`
 is how long after the last commit the last xxh3 was attached, `late_hash_gbps` the set's bytes
 over the time from the store's start to then.
-Rates are held against the same-run ceilings: the loads against the one-way host -> device
-copy; both directions at once (the writer storing a second set while this process loads the
-first, by row sums) against the bidirectional ceiling. Metadata cost per block: lookup + pin +
-unpin (a load's round trips), and allocate + commit (a store's), from the client's side, per
-block of a batch of n.
+Rates are held against raw copies taken in turns with the rounds (kvconnector.bench.ceilings
+.RawCopies): before each round, one raw copy of its direction (host -> device before a load,
+device -> host in the writer before a store, one each way at once before both directions at
+once: the writer storing a second set while this process loads the first, by row sums); a
+figure's ratio is its median over the median of those copies. The host's limit moves while a
+bench runs (a machine's other tenants), so a round is held against a copy of its moment. The
+ratios against the ceilings taken before (`ceiling_ratios`) stay in the row. Metadata cost per
+block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
+client's side, per block of a batch of n.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvconnector.bench.ceilings import RAW_COPY_BYTES, RawCopies
 from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.layout.descriptor import HOST_ALIGNMENT
 from kvconnector.offload.checked_loads import CheckedLoads
@@ -95,12 +100,18 @@ def measure_shared(plan: list[Any], ceilings: Any, device: torch.device, repeats
 
 
 def add_ratios(row: dict[str, Any], ceilings: Any) -> None:
-    """A row's rates against the same run's ceilings: loads one way, the writer's stores the
-    other, both at once against the bidirectional ceiling."""
-    row["load_ratio"] = row["load_gbps"] / ceilings.h2d_gbps
-    row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / ceilings.h2d_gbps
-    row["store_ratio"] = row["store_gbps"] / ceilings.d2h_gbps
-    row["bidir_ratio"] = row["bidir_gbps"] / ceilings.bidir_gbps
+    """A row's rates against the raw copies taken in turns with its rounds (`raw`): loads one
+    way, the writer's stores the other, both at once against both ways at once; and against the
+    same run's ceilings taken before (`ceiling_ratios`)."""
+    raw = row["raw"]
+    row["load_ratio"] = row["load_gbps"] / raw["h2d_gbps"]
+    row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / raw["h2d_gbps"]
+    row["store_ratio"] = row["store_gbps"] / raw["d2h_gbps"]
+    row["bidir_ratio"] = row["bidir_gbps"] / raw["bidir_gbps"]
+    row["ceiling_ratios"] = {"load": row["load_gbps"] / ceilings.h2d_gbps,
+                             "xxh3_load": row["xxh3_load_gbps"] / ceilings.h2d_gbps,
+                             "store": row["store_gbps"] / ceilings.d2h_gbps,
+                             "both": row["bidir_gbps"] / ceilings.bidir_gbps}
 
 
 def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) -> dict[str, Any]:
@@ -109,6 +120,8 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     stride = slot_stride(block_bytes)
     namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
     ctx = mp.get_context("spawn")
+    # the raw copies in turns: no larger than a set (a bench's budget holds those)
+    raw_bytes = min(RAW_COPY_BYTES[device.type], n * block_bytes)
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
             PoolProcess(Path(tmp) / "pool.log", name, capacity=str(3 * n * stride),
                         slot_bytes=str(block_bytes)):
@@ -117,12 +130,14 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
         index = SharedIndex(name, namespace, block_bytes, row_sum_reader=True)
         ours, theirs = ctx.Pipe()
         writer = ctx.Process(target=_writer, args=(name, block_bytes, n, str(device), repeats,
-                                                   theirs), daemon=True)
+                                                   raw_bytes, theirs), daemon=True)
         writer.start()
         checker = SlotChecker()
-        pool = cache = engine = None
+        pool = cache = engine = raw = None
         try:
-            store_s, late_s, hashed_s = _answer(ours)  # set 0 stored, its rounds timed
+            # set 0 stored, its rounds timed (each after a raw device -> host copy of the writer's)
+            store_s, late_s, hashed_s, raw_d2h = _answer(ours)
+            raw = RawCopies(device, raw_bytes)
             keys = [_key(namespace, 0, i) for i in range(n)]
             pool = HostPool.attach(index.segment, pinned=device.type == "cuda")
             cache = allocate_slots(n, block_bytes, device=device)
@@ -130,8 +145,9 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             engine = TransferEngine(pool.segments([cache.rows()]))
             loads = CheckedLoads(checker, 0)
             ids = torch.randperm(n).tolist()
-            meta_load, load_s, xxh3_s, slots = [], [], [], []
+            meta_load, load_s, xxh3_s, slots, raw_h2d = [], [], [], [], []
             for r in range(repeats + 1):  # the first round warms up
+                raw_h2d.append(raw.gbps("h2d"))
                 t0 = time.perf_counter()
                 hits = index.lookup_prefix(keys)
                 plan = index.prepare_load(keys)
@@ -162,12 +178,13 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             meta_store = _store_metadata(index, namespace, n, repeats)
             # Both directions: the writer stores a new set while this process loads set 0, in
             # rounds (the first warms up): one round's figure moved by 5-10% between runs.
-            both_s = []
+            both_s, raw_bidir = [], []
             for r in range(repeats + 1):
                 if _answer(ours) != "ready":
                     raise RuntimeError("the writer is not ready for a round of both directions")
                 plan = index.prepare_load(keys)
                 expect = expected_row_sums(plan)
+                raw_bidir.append(raw.gbps("bidir"))
                 ours.send("go")
                 t0 = time.time()
                 _load_summed(engine, 2 * repeats + 3 + r, ids, plan.slots, expect)
@@ -179,7 +196,7 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             writer.join(_TIMEOUT_S)
         finally:
             writer.kill()
-            for closing in (engine, pool):
+            for closing in (engine, pool, raw):
                 if closing is not None:
                     closing.close()
             if cache is not None:
@@ -194,7 +211,12 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             "xxh3_load_gbps": nbytes / statistics.median(xxh3_s[1:]) / 1e9,
             "bidir_gbps": 2 * nbytes / statistics.median(both_s[1:]) / 1e9,
             "load_meta_us": statistics.median(meta_load[1:]) / n * 1e6,
-            "store_meta_us": meta_store / n * 1e6, "check_threads": checker.threads}
+            "store_meta_us": meta_store / n * 1e6, "check_threads": checker.threads,
+            "raw": {"h2d_gbps": statistics.median(raw_h2d[1:]), "d2h_gbps": raw_d2h,
+                    "bidir_gbps": statistics.median(raw_bidir[1:])},
+            "raw_method": f"one copy of {raw_bytes} B in the phase's direction before each "
+                          f"round (both: one each way at once), the median of the timed "
+                          f"rounds'"}
 
 
 def _job(job_id: int, ids: list[int], slots: list[int], keys: list[bytes],
@@ -315,12 +337,13 @@ def _answer(conn: Connection) -> Any:
     return answer
 
 
-def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
+def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int, raw_bytes: int,
             conn: Connection) -> None:
     """Another engine: store set 0 (untimed: the loads' blocks), then `repeats` + 1 rounds of n
-    new blocks, each dropped once stored (the first round warms up), and answer their medians
-    (`_store_rounds`); then, a round per "go" until another word comes, store a new set
-    (answer when it began and was committed; its xxh3s follow), drop it and say "ready"."""
+    new blocks, each after a raw device -> host copy and dropped once stored (the first round
+    warms up), and answer their medians (`_store_rounds`); then, a round per "go" until another
+    word comes, store a new set (answer when it began and was committed; its xxh3s follow),
+    drop it and say "ready"."""
     try:
         namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
         # a GPU engine with no tier below: the reader's lease is what wants the xxh3s
@@ -333,6 +356,7 @@ def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
                                       device=device, generator=g))
         engine = TransferEngine(pool.segments([cache.rows()]))
         checker = SlotChecker()
+        raw = RawCopies(torch.device(device), raw_bytes)
         ids = torch.randperm(n).tolist()
 
         def prepared(batch: int) -> StorePlan:
@@ -349,7 +373,8 @@ def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
                          committed)
 
         store(prepared(0), 0)
-        conn.send(_store_rounds(prepared, store, index, repeats))
+        conn.send(_store_rounds(prepared, store, index, repeats, raw))
+        raw.close()
         for r in itertools.count():  # a round of both directions at once per "go"
             plan = prepared(_BOTH_ROUNDS + r)
             conn.send("ready")  # the last round's blocks dropped, this one's placed
@@ -370,20 +395,23 @@ def _writer(name: str, block_bytes: int, n: int, device: str, repeats: int,
 
 def _store_rounds(prepared: Callable[[int], StorePlan],
                   store: Callable[[StorePlan, int, Callable[[], None]], None],
-                  index: SharedIndex, repeats: int) -> tuple[float, float, float]:
+                  index: SharedIndex, repeats: int,
+                  raw: RawCopies) -> tuple[float, float, float, float]:
     """Median seconds of a store's timed rounds (after one warm-up), each of n new keys placed
     beforehand (their metadata is `store_meta_us`): to commit every block, from the last commit
-    to the last xxh3 attached, and from the store's start to then. Each round's blocks are
-    dropped after it, so the next one stores into the same slots."""
+    to the last xxh3 attached, and from the store's start to then; and the median GB/s of the
+    raw device -> host copy taken before each. Each round's blocks are dropped after it, so the
+    next one stores into the same slots."""
     samples = []
     for r in range(repeats + 1):
         plan = prepared(_ROUNDS + r)
+        raw_gbps = raw.gbps("d2h")
         marks: list[float] = []
         t0 = time.perf_counter()
         store(plan, (2 + r) * WRITER_JOBS, lambda into=marks: into.append(time.perf_counter()))
         t2 = time.perf_counter()
-        samples.append((marks[0] - t0, t2 - marks[0], t2 - t0))
+        samples.append((marks[0] - t0, t2 - marks[0], t2 - t0, raw_gbps))
         index.discard(plan.keys)
         index.pool_stats()  # dropped before the next round's slots are placed
     return tuple(statistics.median(s[i] for s in samples[1:])  # type: ignore[return-value]
-                 for i in range(3))
+                 for i in range(4))

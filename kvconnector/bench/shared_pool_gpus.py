@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvconnector.bench.ceilings import raw_copies
+from kvconnector.bench.ceilings import RAW_COPY_BYTES, RawCopies, raw_copies
 from kvconnector.bench.shared_pool import WRITER_JOBS, expected_row_sums, store_blocks
 from kvconnector.layout.allocator import SlotBuffer, allocate_slots, shm_free_bytes, slot_stride
 from kvconnector.servers.pool import PoolProcess
@@ -70,7 +70,6 @@ from transfer.pool import HostPool
 from transfer.shared.client import SharedIndex
 from transfer.slot_checker import SlotChecker
 
-COPY_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}  # one raw copy of one process
 SET_MAX_BYTES = {"cuda": 1 << 30, "cpu": 16 << 20}  # one set of blocks of one engine
 DIRECTIONS = ("h2d", "d2h", "bidir")
 PHASES = ("load", "store", "both")
@@ -287,7 +286,7 @@ def _copy_rounds(rank: int, barrier: Barrier, num: int, device_type: str, size: 
 
 def measure_ceilings(workers: GpuWorkers, repeats: int) -> dict[str, Any]:
     """Raw pinned copies on every GPU, alone and all at once (GB/s, medians)."""
-    gpus, size = workers.gpus, COPY_BYTES[workers.device_type]
+    gpus, size = workers.gpus, RAW_COPY_BYTES[workers.device_type]
     answers = workers.ask(("ceilings", size, repeats))
     alone: list[dict[str, float]] = [{} for _ in gpus]
     together: dict[str, float] = {}
@@ -367,7 +366,7 @@ class _Engine:
         self.storer = TransferEngine(self.pool.segments([self.rows]))
         self.loader = TransferEngine(self.pool.segments([self.rows]))
         self.checker = SlotChecker()
-        self.raw = _RawCopies(self.device, COPY_BYTES[device_type])
+        self.raw = RawCopies(self.device, RAW_COPY_BYTES[device_type])
         self.jobs = 0
         self.late_hash_s: list[float] = []  # each timed store: last commit to last xxh3
         self.hashed_stores = 0  # stores the pool asked to hash (a lease needed the xxh3s)
@@ -456,7 +455,7 @@ class _Engine:
     def _round(self, phase: str, loads: list[int], load_ids: list[int], stores: list[int],
                spans: dict[str, list[tuple[float, float]]]) -> None:
         """One timed round of `phase`, started behind the barrier, after a raw copy of its
-        direction on every GPU at once (`_RawCopies`); then every byte compared."""
+        direction on every GPU at once (`RawCopies`); then every byte compared."""
         n = self.n
         self.barrier.wait()
         spans["raw"].append(self.raw.timed(_RAW_DIRECTION[phase]))
@@ -530,34 +529,6 @@ class _Engine:
 _RAW_DIRECTION = {"load": "h2d", "store": "d2h", "both": "bidir"}
 
 
-class _RawCopies:
-    """Raw copies of one process, taken in turns with its engine's rounds: as the ceilings take
-    them (kvconnector.bench.ceilings.raw_copies), on buffers of its own."""
-
-    def __init__(self, device: torch.device, size: int) -> None:
-        self.device, self.size = device, size
-        self._cuda = device.type == "cuda"
-        self._host = torch.empty(2 * size, dtype=torch.uint8, pin_memory=self._cuda)
-        self._dev = torch.empty(2 * size, dtype=torch.uint8, device=device)
-        self._host.fill_(1)  # touched before any copy is timed
-        self._dev.fill_(2)
-        self._lanes = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench-raw")
-        self._copies = raw_copies((self._dev[:size], self._dev[size:]),
-                                  (self._host[:size], self._host[size:]), self._lanes)
-
-    def timed(self, direction: str) -> tuple[float, float]:
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-        t0 = time.time()
-        self._copies[direction]()
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-        return t0, time.time()
-
-    def close(self) -> None:
-        self._lanes.shutdown()
-
-
 def engine_blocks(block_bytes: int, num: int, device_type: str) -> int:
     """Blocks in one engine's set: SET_MAX_BYTES, fewer where /dev/shm cannot hold the pool (the
     common set, each engine's own set and each engine's stores of a round); 0: no room."""
@@ -600,7 +571,7 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
         2 * num * nbytes / _span([e["spans"]["both"][d][k] for e in engines
                                   for d in ("load", "store")]) / 1e9
         for k in range(1, repeats + 1))
-    size = COPY_BYTES[workers.device_type]
+    size = RAW_COPY_BYTES[workers.device_type]
     raw = {f"{_RAW_DIRECTION[phase]}_gbps": statistics.median(
                (2 if phase == "both" else 1) * num * size
                / _span([e["spans"][phase]["raw"][k] for e in engines]) / 1e9

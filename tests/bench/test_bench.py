@@ -102,6 +102,18 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
         assert row["xxh3_load_gbps"] > 0  # loaded again, checked by xxh3
         assert row["load_ratio"] > 0 and row["load_meta_us"] > 0 and row["store_meta_us"] > 0
         assert row["store_gbps"] > 0 and row["store_ratio"] > 0 and row["late_hash_s"] >= 0
+        # each phase against raw copies of its direction taken in turns with its rounds, and
+        # against the ceilings taken before
+        raw, ceil = row["raw"], record["ceilings"]
+        assert min(raw.values()) > 0 and set(raw) == {"h2d_gbps", "d2h_gbps", "bidir_gbps"}
+        assert row["load_ratio"] == pytest.approx(row["load_gbps"] / raw["h2d_gbps"])
+        assert row["store_ratio"] == pytest.approx(row["store_gbps"] / raw["d2h_gbps"])
+        assert row["bidir_ratio"] == pytest.approx(row["bidir_gbps"] / raw["bidir_gbps"])
+        assert row["ceiling_ratios"] == pytest.approx({
+            "load": row["load_gbps"] / ceil["h2d_gbps"],
+            "xxh3_load": row["xxh3_load_gbps"] / ceil["h2d_gbps"],
+            "store": row["store_gbps"] / ceil["d2h_gbps"],
+            "both": row["bidir_gbps"] / ceil["bidir_gbps"]})
     assert "shared host pool" in out
     remote = record["remote"]
     assert [(row["case"], row["security"]) for row in remote["rows"]] == [
@@ -117,12 +129,12 @@ def test_cpu_run_prints_table_and_writes_json_and_plot(tmp_path: Path,
 def test_gpus_adds_the_shared_pool_on_every_gpu_at_once(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvconnector.bench import shared_pool_gpus
+    from kvconnector.bench import ceilings, shared_pool_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # two stand-in processes
     block = 640 << 10  # llama-3.1-70b-tp8, bf16
     monkeypatch.setitem(shared_pool_gpus.SET_MAX_BYTES, "cpu", 6 * block)  # 6 blocks a set
-    monkeypatch.setitem(shared_pool_gpus.COPY_BYTES, "cpu", 4 << 20)
+    monkeypatch.setitem(ceilings.RAW_COPY_BYTES, "cpu", 4 << 20)
     js = tmp_path / "bench.json"
     assert main([*TINY, "--remote-security", "none", "--gpus", "0,1", "--json", str(js)]) == 0
     out, err = capsys.readouterr()

@@ -183,6 +183,8 @@ def test_gpu_verdicts_say_the_pcie_limit() -> None:
     out = printed(record("cuda"))
     assert "verdicts against the same-run pinned copies, the PCIe limit" in out
     assert "load 0.91 at, store 0.72 near, both 0.95 at" in out
+    assert ("verdicts against raw pinned copies taken in turns with the rounds, the PCIe limit "
+            "of the moment") in out
     assert ("  case-a bf16: load 0.02 well below, writer store 0.00 well below, load by xxh3 0.40 "
             "well below, both 0.03 well below") in out
     assert "above 1" not in out and "not meaningful" not in out and "memory bandwidth" not in out

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvconnector.bench import shared_pool_gpus
+from kvconnector.bench.ceilings import RAW_COPY_BYTES
 from kvconnector.bench.shared_pool_gpus import POISON, block_pattern, mismatched_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -25,7 +26,7 @@ def test_two_stand_ins_store_and_load_at_once_and_every_byte_matches(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path on any machine
     monkeypatch.setitem(shared_pool_gpus.SET_MAX_BYTES, "cpu", 40 * BLOCK)  # 40 blocks a set
-    monkeypatch.setitem(shared_pool_gpus.COPY_BYTES, "cpu", 4 << 20)
+    monkeypatch.setitem(RAW_COPY_BYTES, "cpu", 4 << 20)
     js = tmp_path / "gpus.json"
     argv = ["--gpus", "0,1", "--block-sizes", "64KiB", "--repeats", "1", "--json", str(js)]
     assert bench_shared_pool.main(argv) == 0
