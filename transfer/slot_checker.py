@@ -36,9 +36,12 @@ from transfer.copy.row_sums import check_row_bytes, coefficient_array, host_piec
 
 MAX_THREADS = 8
 # A slot is checked and hashed after its commit this much at a time (transfer/copy/row_sums.py
-# host_piece_sum): the piece, its sum's terms and their coefficients (1.25 MiB) stay in a core's
-# cache, and xxhash releases the GIL for an update over 64 KiB.
-HASH_PIECE_BYTES = 256 << 10
+# host_piece_sum): the piece is hashed while it is still in cache (with its sum's terms and their
+# coefficients, 5 MiB). Each piece costs a few GIL hand-overs among the checker's threads, and
+# those, not the bytes, bound smaller pieces: 8 threads hashed 640 KiB slots at 3.3-3.5 GB/s in
+# 256 KiB pieces, 6.2 in 1 MiB ones (H200 machine's host); beside a GPU writer's 2 GiB store the
+# xxh3s came 2.1-2.4x sooner, the store's own rate unchanged (docs/benchmarks.md).
+HASH_PIECE_BYTES = 1 << 20
 _MASK = (1 << 64) - 1
 T = TypeVar("T")
 
