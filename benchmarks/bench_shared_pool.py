@@ -6,8 +6,9 @@ threads hashing them (the checksums its commit carries); this process loads them
 GPU cache by DMA, straight from the shared slots, each block only once its checksum matched, as
 an engine does: by row sums, checked on the way by the copy engine (staged on the GPU, summed,
 copied on), and again by xxh3 on checker threads (as for blocks without row sums), and compares
-every byte. Reported against raw pinned copies taken in turns with the rounds (one 1 GiB copy of
-a round's direction before it: kvconnector.bench.ceilings.RawCopies) and against the ceilings
+every byte. Reported against raw pinned copies taken in turns with the rounds (one copy of a
+round's direction before it, a set's bytes up to 1 GiB: kvconnector.bench.ceilings.RawCopies;
+a figure's median over theirs) and against the ceilings
 taken before the pool runs (one 2 GiB pinned memcpy each way, two at once): the loads, the
 writer's stores, both directions at once (the writer storing a second set while this process
 loads by row sums), and the metadata cost per block (lookup + pin + unpin; allocate + commit)

@@ -36,11 +36,12 @@ from transfer.copy.row_sums import check_row_bytes, coefficient_array, host_piec
 
 MAX_THREADS = 8
 # A slot is checked and hashed after its commit this much at a time (transfer/copy/row_sums.py
-# host_piece_sum): the piece is hashed while it is still in cache (with its sum's terms and their
-# coefficients, 5 MiB). Each piece costs a few GIL hand-overs among the checker's threads, and
-# those, not the bytes, bound smaller pieces: 8 threads hashed 640 KiB slots at 3.3-3.5 GB/s in
-# 256 KiB pieces, 6.2 in 1 MiB ones (H200 machine's host); beside a GPU writer's 2 GiB store the
-# xxh3s came 2.1-2.4x sooner, the store's own rate unchanged (docs/benchmarks.md).
+# host_piece_sum), each piece hashed right after it is summed. Each piece costs a few GIL
+# hand-overs among the checker's threads, and those, not the bytes, bound smaller pieces: 8
+# threads hashed 640 KiB slots at 3.3-3.5 GB/s in 256 KiB pieces (which, with the sum's terms and
+# coefficients, stay in a core's L2), 6.2-6.7 in whole slots (5 MiB with those: past L2); beside
+# a GPU writer's 2 GiB store the xxh3s came about twice as soon, the store's rate unchanged
+# (H200 machine, docs/benchmarks.md). Slots over 1 MiB were not measured against 256 KiB pieces.
 HASH_PIECE_BYTES = 1 << 20
 _MASK = (1 << 64) - 1
 T = TypeVar("T")
@@ -137,9 +138,9 @@ def _hash_part(array: np.ndarray, slots: list[int], keys: list[bytes]) -> list[i
 class _SlotReader:
     """Reads slots of rows `width` bytes wide a piece at a time into a buffer of the calling
     thread's, summing each piece (transfer/copy/row_sums.py host_piece_sum) and handing it to a
-    hasher: both checksums of the same bytes, whatever the slot does meanwhile. The piece stays
-    in cache, so a slot is read from memory once: this runs beside the DMAs of the stores, which
-    share the host's memory."""
+    hasher: both checksums of the same bytes, whatever the slot does meanwhile. The piece is
+    hashed right after it is summed, from the caches, not read from memory again: this runs
+    beside the DMAs of the stores, which share the host's memory."""
 
     def __init__(self, width: int) -> None:
         check_row_bytes(width)

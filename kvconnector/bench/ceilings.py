@@ -145,8 +145,9 @@ def raw_copies(device_buffers: tuple[torch.Tensor, torch.Tensor],
 class RawCopies:
     """Raw copies of one process, taken in turns with a bench's rounds (before each round, one of
     its direction): as the ceilings take them (`raw_copies`), on buffers of its own. The host's
-    limit moves while a bench runs (other tenants of the host, other engines), so a round is held
-    against a raw copy of its moment, not against a ceiling taken a minute before."""
+    limit can move while a bench runs (other tenants of the host, other engines): the median of
+    such copies spans the same minutes as the rounds it is held against, where a ceiling taken
+    before them does not."""
 
     def __init__(self, device: torch.device, size: int) -> None:
         self.device, self.size = device, size
@@ -170,14 +171,20 @@ class RawCopies:
 
     def gbps(self, direction: str) -> float:
         """One raw copy of `direction`, as GB/s (both directions' bytes for "bidir")."""
-        t0, t1 = self.timed(direction)
-        return (2 if direction == "bidir" else 1) * self.size / (t1 - t0) / 1e9
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._copies[direction]()
+        sync(self.device)
+        return (2 if direction == "bidir" else 1) * self.size / (time.perf_counter() - t0) / 1e9
 
     def close(self) -> None:
-        """Stop the lanes and let the buffers go."""
+        """Stop the lanes and let the buffers go: the GPU's back to the device (what runs next
+        may need the room); the pinned ones stay in torch's cache for the next such copies."""
         self._lanes.shutdown()
         self._copies = {}
         self._host = self._dev = torch.empty(0, dtype=torch.uint8)
+        if self._cuda:
+            torch.cuda.empty_cache()
 
 
 def _measure_round(device_arena: torch.Tensor, host_arena: torch.Tensor,

@@ -81,8 +81,8 @@ def _calls(ratio: float) -> str:
 
 
 def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
-    """The shared pool's figures against the one-way and both-ways ceilings; on a CPU, which of
-    them mean nothing there."""
+    """The shared pool's figures against raw copies of their directions taken in turns with their
+    rounds; on a CPU, which of them mean nothing there."""
     rows = [row for row in shared["rows"] if "error" not in row]
     if not rows:
         return []
@@ -90,7 +90,7 @@ def shared_verdicts(shared: dict[str, Any], device_type: str) -> list[str]:
         lines = ["verdicts: on a CPU the shared pool's writer store, load and both are not "
                  "meaningful: the row sums a GPU's copy engine takes on the way are taken by "
                  "torch on the host here (GB/s of summing, not of copying); load by xxh3 is "
-                 "hashing on this machine's cores, against the memory copy ceiling:"]
+                 "hashing on this machine's cores, against host memory copies taken in turns:"]
         lines += [f"  {row['case']}: {judged('load by xxh3', row['xxh3_load_ratio'])}"
                   for row in rows]
         return lines
@@ -194,10 +194,11 @@ def _print_shared(shared: dict[str, Any] | None, console: Any, device_type: str)
         return
     st = Table(title="shared host pool: blocks another process stored, loaded into this "
                      "process's cache straight from the pool's slots",
-               caption="ratios of raw pinned copies of each phase's direction taken in turns "
-                       "with its rounds; writer store GB/s, committed by row sums; load GB/s, "
-                       "checked by row sums on the way (what GPU engines do) and by xxh3 on "
-                       "threads (blocks without row sums); both: the writer storing while "
+               caption="ratios of raw copies (pinned on a GPU) of each phase's direction "
+                       "taken in turns with its rounds; writer store GB/s, committed by row "
+                       "sums; load GB/s, checked by row sums on the way (what GPU engines do) "
+                       "and by xxh3 on threads (blocks without row sums); both: the writer "
+                       "storing while "
                        "this process loads (against raw copies both ways at once); "
                        "metadata us per block, client side: lookup + pin + unpin (load), "
                        "allocate + commit (store)")

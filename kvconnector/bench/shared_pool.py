@@ -20,12 +20,12 @@ over the time from the store's start to then.
 Rates are held against raw copies taken in turns with the rounds (kvconnector.bench.ceilings
 .RawCopies): before each round, one raw copy of its direction (host -> device before a load,
 device -> host in the writer before a store, one each way at once before both directions at
-once: the writer storing a second set while this process loads the first, by row sums); a
-figure's ratio is its median over the median of those copies. The host's limit moves while a
-bench runs (a machine's other tenants), so a round is held against a copy of its moment. The
-ratios against the ceilings taken before (`ceiling_ratios`) stay in the row. Metadata cost per
-block: lookup + pin + unpin (a load's round trips), and allocate + commit (a store's), from the
-client's side, per block of a batch of n.
+once: the writer storing a second set while this process loads the first, by row sums), of a
+set's bytes up to RAW_COPY_BYTES; a figure's ratio is its median over the median of those
+copies, which span the same minutes (a machine's other tenants can move the host's limit while a
+bench runs). The ratios against the ceilings taken before (`ceiling_ratios`) stay in the row.
+Metadata cost per block: lookup + pin + unpin (a load's round trips), and allocate + commit (a
+store's), from the client's side, per block of a batch of n.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
     stride = slot_stride(block_bytes)
     namespace = Namespace("bench", "uint8", 1, f"{block_bytes} B")
     ctx = mp.get_context("spawn")
-    # the raw copies in turns: no larger than a set (a bench's budget holds those)
+    # the raw copies in turns: a set's bytes, up to RAW_COPY_BYTES (each process holds two of
+    # them pinned and two on its device while it runs)
     raw_bytes = min(RAW_COPY_BYTES[device.type], n * block_bytes)
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
             PoolProcess(Path(tmp) / "pool.log", name, capacity=str(3 * n * stride),
@@ -215,8 +216,8 @@ def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) ->
             "raw": {"h2d_gbps": statistics.median(raw_h2d[1:]), "d2h_gbps": raw_d2h,
                     "bidir_gbps": statistics.median(raw_bidir[1:])},
             "raw_method": f"one copy of {raw_bytes} B in the phase's direction before each "
-                          f"round (both: one each way at once), the median of the timed "
-                          f"rounds'"}
+                          f"round (both: one each way at once), the median over the timed "
+                          f"rounds"}
 
 
 def _job(job_id: int, ids: list[int], slots: list[int], keys: list[bytes],

@@ -229,7 +229,7 @@ def _worker(rank: int, num: int, device_type: str, barrier: Barrier, conn: Conne
                                                             *task[1:])
             else:
                 answer = _Engine(rank, barrier, task[1], num, device_type, task[2],
-                                 task[3]).run(task[4])
+                                 task[3], task[5]).run(task[4])
         except BaseException as exc:  # every process's failure comes back as its answer
             barrier.abort()
             answer = f"error {type(exc).__name__}: {exc}"
@@ -350,7 +350,7 @@ class _Engine:
     loads' destinations), one TransferEngine per direction, one connection to the pool."""
 
     def __init__(self, rank: int, barrier: Barrier, name: str, num: int, device_type: str,
-                 block_bytes: int, n: int) -> None:
+                 block_bytes: int, n: int, raw_bytes: int) -> None:
         self.rank, self.barrier, self.num, self.n = rank, barrier, num, n
         self.device = torch.device(device_type)
         self.block_bytes = block_bytes
@@ -366,7 +366,7 @@ class _Engine:
         self.storer = TransferEngine(self.pool.segments([self.rows]))
         self.loader = TransferEngine(self.pool.segments([self.rows]))
         self.checker = SlotChecker()
-        self.raw = RawCopies(self.device, RAW_COPY_BYTES[device_type])
+        self.raw = RawCopies(self.device, raw_bytes)  # the parent's size: it divides by it
         self.jobs = 0
         self.late_hash_s: list[float] = []  # each timed store: last commit to last xxh3
         self.hashed_stores = 0  # stores the pool asked to hash (a lease needed the xxh3s)
@@ -439,7 +439,7 @@ class _Engine:
         return {"rank": rank, "device_name": _device_name(self.device), "blocks": n,
                 "common_stored": len(common[0]), "own_stored": len(own[0]),
                 "load_sources": {"common": n // 3, "own": n // 3, "next": n - 2 * (n // 3)},
-                "hashed_stores": self.hashed_stores,
+                "hashed_stores": self.hashed_stores, "raw_copy_bytes": self.raw.size,
                 "late_hash_s": statistics.median(self.late_hash_s) if self.late_hash_s
                 else None, "spans": spans,
                 **self.counts}
@@ -547,10 +547,11 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
     gpus, num = workers.gpus, len(workers.gpus)
     name = f"bench-{secrets.token_hex(4)}"
     capacity = (1 + 2 * num) * n * slot_stride(block_bytes)
+    size = RAW_COPY_BYTES[workers.device_type]  # each engine's raw copy in turns
     with tempfile.TemporaryDirectory(prefix="kvconnector-bench-") as tmp, \
             PoolProcess(Path(tmp) / "pool.log", name, capacity=str(capacity),
                         slot_bytes=str(block_bytes)):
-        answers = workers.ask(("engine", name, block_bytes, n, repeats))
+        answers = workers.ask(("engine", name, block_bytes, n, repeats, size))
     nbytes = n * block_bytes
     engines = []
     for gpu, answer in zip(gpus, answers, strict=True):
@@ -571,7 +572,6 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
         2 * num * nbytes / _span([e["spans"]["both"][d][k] for e in engines
                                   for d in ("load", "store")]) / 1e9
         for k in range(1, repeats + 1))
-    size = RAW_COPY_BYTES[workers.device_type]
     raw = {f"{_RAW_DIRECTION[phase]}_gbps": statistics.median(
                (2 if phase == "both" else 1) * num * size
                / _span([e["spans"][phase]["raw"][k] for e in engines]) / 1e9

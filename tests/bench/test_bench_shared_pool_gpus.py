@@ -61,6 +61,7 @@ def test_two_stand_ins_store_and_load_at_once_and_every_byte_matches(
     assert sum(e["common_stored"] for e in engines) == n
     for e in engines:
         assert e["own_stored"] == n
+        assert e["raw_copy_bytes"] == 4 << 20  # the size the raw rates are divided by
         # A third of the common set, of its own, of the other engine's (stored by that one).
         assert e["load_sources"] == {"common": 13, "own": 13, "next": 14}
         # Stores: its share of the common set, its own set, n a round in "store" and "both".
