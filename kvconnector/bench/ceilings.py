@@ -171,11 +171,8 @@ class RawCopies:
 
     def gbps(self, direction: str) -> float:
         """One raw copy of `direction`, as GB/s (both directions' bytes for "bidir")."""
-        sync(self.device)
-        t0 = time.perf_counter()
-        self._copies[direction]()
-        sync(self.device)
-        return (2 if direction == "bidir" else 1) * self.size / (time.perf_counter() - t0) / 1e9
+        t0, t1 = self.timed(direction)
+        return (2 if direction == "bidir" else 1) * self.size / (t1 - t0) / 1e9
 
     def close(self) -> None:
         """Stop the lanes and let the buffers go: the GPU's back to the device (what runs next

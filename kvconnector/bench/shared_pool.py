@@ -103,15 +103,14 @@ def add_ratios(row: dict[str, Any], ceilings: Any) -> None:
     """A row's rates against the raw copies taken in turns with its rounds (`raw`): loads one
     way, the writer's stores the other, both at once against both ways at once; and against the
     same run's ceilings taken before (`ceiling_ratios`)."""
-    raw = row["raw"]
-    row["load_ratio"] = row["load_gbps"] / raw["h2d_gbps"]
-    row["xxh3_load_ratio"] = row["xxh3_load_gbps"] / raw["h2d_gbps"]
-    row["store_ratio"] = row["store_gbps"] / raw["d2h_gbps"]
-    row["bidir_ratio"] = row["bidir_gbps"] / raw["bidir_gbps"]
-    row["ceiling_ratios"] = {"load": row["load_gbps"] / ceilings.h2d_gbps,
-                             "xxh3_load": row["xxh3_load_gbps"] / ceilings.h2d_gbps,
-                             "store": row["store_gbps"] / ceilings.d2h_gbps,
-                             "both": row["bidir_gbps"] / ceilings.bidir_gbps}
+    def against(h2d: float, d2h: float, bidir: float) -> dict[str, float]:
+        return {"load": row["load_gbps"] / h2d, "xxh3_load": row["xxh3_load_gbps"] / h2d,
+                "store": row["store_gbps"] / d2h, "both": row["bidir_gbps"] / bidir}
+
+    raw = against(row["raw"]["h2d_gbps"], row["raw"]["d2h_gbps"], row["raw"]["bidir_gbps"])
+    row["load_ratio"], row["xxh3_load_ratio"] = raw["load"], raw["xxh3_load"]
+    row["store_ratio"], row["bidir_ratio"] = raw["store"], raw["both"]
+    row["ceiling_ratios"] = against(ceilings.h2d_gbps, ceilings.d2h_gbps, ceilings.bidir_gbps)
 
 
 def measure_one(block_bytes: int, n: int, device: torch.device, repeats: int) -> dict[str, Any]:
