@@ -161,7 +161,8 @@ class BlockIndex:
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """`contains` for each of `keys` (a shared pool's index answers in one round trip)."""
-        return [self.contains(key) for key in keys]
+        return [entry is not None and not entry.storing
+                for entry in map(self._entries.get, self._checked_keys(keys, unique=False))]
 
     def held_keys(self) -> list[bytes]:
         """Keys stored or being stored (draining keys excluded)."""
@@ -204,40 +205,44 @@ class BlockIndex:
         in policy order as needed; keys of this call are never evicted by it. Places as many as
         fit, as a prefix (see StorePlan)."""
         keys = self._checked_keys(keys)
+        entries = self._entries
+        draining = self._draining
         needed: list[bytes] = []
         blocked: list[bytes] = []  # a draining key and every key after it: placed stays a prefix
         idle_in_call = 0
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None:
-                idle_in_call += entry.idle
-            elif blocked or key in self._draining:
-                blocked.append(key)
-            else:
-                needed.append(key)
+        if any(map(entries.get, keys)) or (draining and not draining.keys().isdisjoint(keys)):
+            for key in keys:
+                entry = entries.get(key)
+                if entry is not None:
+                    idle_in_call += entry.idle
+                elif blocked or key in draining:
+                    blocked.append(key)
+                else:
+                    needed.append(key)
+        else:  # the usual store: every key new (an entry is always true)
+            needed = keys
         room = len(self._free) + self._num_idle - idle_in_call
         placed, not_placed = needed[:room], needed[room:] + blocked
 
         in_call = set(keys)
 
-        def can_evict(key: bytes) -> bool:
-            return self._entries[key].idle and key not in in_call
+        def can_evict(key: bytes) -> bool:  # the call's own first: those admitted have no entry
+            return key not in in_call and entries[key].idle
 
-        slot_of: dict[bytes, int] = {}
-        evicted: list[bytes] = []
-        evicted_slots: list[int] = []
-        for key in reversed(placed):  # tail first: the head of the prefix ends most recent
-            victim = self.policy.admit(key, not self._free, can_evict)
-            if victim is not None:
-                self._free.append(self._entries.pop(victim).slot)
-                self._num_idle -= 1
-                evicted.append(victim)
-                evicted_slots.append(self._free[-1])
-            slot_of[key] = self._free.pop()
-            self._entries[key] = _Entry(slot_of[key])
+        # Tail first: the head of the prefix ends most recent. The first keys take free slots as
+        # pop() hands them out; each later one takes its victim's slot.
+        order = placed[::-1]
+        free = self._free
+        taken = min(len(free), len(order))
+        evicted = self.policy.admit_all(order, len(free), can_evict)
+        slots = free[len(free) - taken:][::-1]
+        del free[len(free) - taken:]
+        evicted_slots = list(map(_SLOT, map(entries.pop, evicted)))
+        self._num_idle -= len(evicted)
+        slots += evicted_slots
+        entries.update(zip(order, map(_Entry, slots), strict=True))
         self._stats.evictions += len(evicted)
-        return StorePlan(placed, [slot_of[key] for key in placed], not_placed, evicted,
-                         evicted_slots)
+        return StorePlan(placed, slots[::-1], not_placed, evicted, evicted_slots)
 
     def prepare_stores(self, key_lists: Sequence[Sequence[bytes]]) -> list[StorePlan]:
         """`prepare_store` of each list in turn (one call per engine step)."""
@@ -372,27 +377,34 @@ class BlockIndex:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Drop stored or being-stored keys: idle ones free their slot now, busy ones drain."""
         keys = self._checked_keys(keys)
-        for key in keys:
-            if key not in self._entries:
-                raise ValueError(f"key {key.hex()} is not in the index")
-        for key in keys:
-            self.policy.discard(key)
-            self._drop(key)
+        entries = self._entries
+        if not all(map(entries.__contains__, keys)):
+            for key in keys:
+                if key not in entries:
+                    raise ValueError(f"key {key.hex()} is not in the index")
+        self.policy.discard_all(keys)
+        dropped = list(map(entries.pop, keys))
+        if any(map(_STORING, dropped)) or any(map(_PINS, dropped)):
+            for key, entry in zip(keys, dropped, strict=True):
+                self._release(key, entry)
+        else:  # the usual removal: every key idle, its slot free at once
+            self._free.extend(map(_SLOT, dropped))
+            self._num_idle -= len(dropped)
 
     def discard(self, keys: Sequence[bytes]) -> None:
         """`remove` the keys that are stored or being stored; the others are ignored."""
-        self.remove([key for key in dict.fromkeys(self._checked_keys(keys, unique=False))
-                     if key in self._entries])
+        self.remove(list(filter(self._entries.__contains__,
+                                dict.fromkeys(self._checked_keys(keys, unique=False)))))
 
     def clear(self) -> None:
         """Drop every key (reset_cache): idle slots are freed now, busy keys drain; the policy
         forgets its history. Counters are kept."""
         for key in list(self._entries):
-            self._drop(key)
+            self._release(key, self._entries.pop(key))
         self.policy.clear()
 
-    def _drop(self, key: bytes) -> None:
-        entry = self._entries.pop(key)
+    def _release(self, key: bytes, entry: _Entry) -> None:
+        """A removed key's slot: free now when idle, else once its load or store ends."""
         if entry.idle:
             self._free.append(entry.slot)
             self._num_idle -= 1

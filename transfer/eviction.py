@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 
 CanEvict = Callable[[bytes], bool]
 
@@ -26,6 +27,12 @@ class EvictionPolicy(ABC):
         """Track `key`, which takes a slot. When `need_room`, first evict and return one tracked key
         for which `can_evict` is true; the index only asks when such a key exists."""
 
+    def admit_all(self, keys: Sequence[bytes], room: int, can_evict: CanEvict) -> list[bytes]:
+        """`admit` each key in turn: the first `room` into free slots, each later one evicting a
+        key; the victims in order."""
+        return [victim for i, key in enumerate(keys)
+                if (victim := self.admit(key, i >= room, can_evict)) is not None]
+
     @abstractmethod
     def access(self, key: bytes) -> None:
         """A tracked key was read."""
@@ -38,6 +45,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def discard(self, key: bytes) -> None:
         """Stop tracking a key that leaves without eviction (failed store, remove)."""
+
+    def discard_all(self, keys: Iterable[bytes]) -> None:
+        """`discard` each key."""
+        for key in keys:
+            self.discard(key)
 
     @abstractmethod
     def clear(self) -> None:
@@ -68,6 +80,25 @@ class LRUPolicy(EvictionPolicy):
         self.order[key] = None
         return victim
 
+    def admit_all(self, keys: Sequence[bytes], room: int, can_evict: CanEvict) -> list[bytes]:
+        # The victims are the oldest evictable keys before the call: a key admitted by it goes
+        # to the back, and the index never lets a call evict its own keys. So they are picked
+        # first, in one pass, and the keys are admitted in C (a full pool evicts one for every
+        # key a store places, so this is the daemon's busiest loop with `discard`).
+        wanted = len(keys) - room
+        victims: list[bytes] = []
+        if wanted > 0:
+            for key in self.order:
+                if can_evict(key):
+                    victims.append(key)
+                    if len(victims) == wanted:
+                        break
+            else:
+                raise AssertionError("admit asked for room with no idle key")
+            deque(map(self.order.pop, victims), maxlen=0)
+        self.order.update(zip(keys, repeat(None)))
+        return victims
+
     def access(self, key: bytes) -> None:
         self.order.move_to_end(key)
 
@@ -76,6 +107,9 @@ class LRUPolicy(EvictionPolicy):
 
     def discard(self, key: bytes) -> None:
         del self.order[key]
+
+    def discard_all(self, keys: Iterable[bytes]) -> None:
+        deque(map(self.order.pop, keys), maxlen=0)
 
     def clear(self) -> None:
         self.order.clear()

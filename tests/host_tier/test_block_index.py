@@ -12,7 +12,7 @@ import pytest
 import transfer.block_index as block_index_module
 import transfer.eviction as eviction_module
 from transfer.block_index import BlockIndex, IndexStats, StorePlan
-from transfer.eviction import ARCPolicy
+from transfer.eviction import ARCPolicy, EvictionPolicy, LRUPolicy
 from transfer.keys import Namespace
 
 NS = Namespace(model="m", dtype="bfloat16", block_size=16, block_layout="BLHNC")
@@ -377,6 +377,64 @@ def test_evicted_slots_are_the_victims_slots_now_given_to_placed_keys() -> None:
     assert plan.evicted_slots == [slot_of[name] for name in names(plan.evicted).split()]
     assert sorted(plan.slots) == sorted(plan.evicted_slots)
     assert index.num_reclaimable == 3 and index.num_free == 0
+
+
+def test_a_call_takes_free_slots_first_then_the_oldest_idle_keys_slots_in_turn() -> None:
+    index = BlockIndex(NS, 5, "lru")
+    assert store(index, "A B C").slots == [2, 1, 0]  # admitted C, B, A: slots 0, 1, 2
+    pinned = index.prepare_load(keys("B"))  # LRU order now C A B; B may not go
+    plan = index.prepare_store(keys("D E F G"))
+    # Tail first: G and F take the free slots 3 and 4 as they are handed out; then E evicts the
+    # oldest idle key (C, slot 0) and D the next (A, slot 2), skipping pinned B.
+    assert plan == StorePlan(keys=keys("D E F G"), slots=[2, 0, 4, 3], not_placed=[],
+                             evicted=keys("C A"), evicted_slots=[0, 2])
+    assert list(index.policy.order) == keys("B G F E D")
+    assert [index.contains(k) for k in keys("A B C")] == [False, True, False]
+    index.complete_store(plan.keys, True)
+    assert store(index, "H") == StorePlan(keys("H"), [3], [], keys("G"), [3])  # B still pinned
+    index.complete_load(pinned.keys)
+    assert index.num_free == 0 and index.num_reclaimable == 5 and len(index) == 5
+    assert index.stats.evictions == 3
+
+
+def test_removing_idle_and_busy_keys_at_once_frees_the_idle_slots_in_order() -> None:
+    index = BlockIndex(NS, 4, "lru")
+    plan = store(index, "A B C D")
+    slot_of = dict(zip(names(plan.keys).split(), plan.slots, strict=True))
+    pinned = index.prepare_load(keys("B"))
+    index.remove(keys("A B C"))
+    assert index.num_free == 2 and index.num_draining == 1 and list(index.policy.order) == \
+        keys("D")
+    # A's then C's slot were freed; the tail F takes the last freed. B drains: not placed.
+    assert index.prepare_store(keys("E F B")) == StorePlan(
+        keys("E F"), [slot_of["A"], slot_of["C"]], keys("B"), [], [])
+    index.complete_load(pinned.keys)
+    assert index.num_draining == 0 and index.num_free == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lru_admits_and_discards_a_call_at_once_as_key_by_key(seed: int) -> None:
+    """LRU's one-pass admit_all and discard_all leave the order and pick the victims that
+    admitting (and discarding) each key in turn does."""
+    rng = random.Random(seed)
+    fast, slow = LRUPolicy(), LRUPolicy()
+    live = [NS.key(i) for i in range(rng.randint(0, 12))]
+    for policy in (fast, slow):
+        policy.admit_all(live, len(live), lambda _: False)
+    busy = set(rng.sample(live, rng.randint(0, len(live))))
+    touched = rng.sample(live, rng.randint(0, len(live)))
+    gone = rng.sample(live, rng.randint(0, len(live)))
+    for policy in (fast, slow):
+        policy.access_all(touched)
+    fast.discard_all(gone)
+    EvictionPolicy.discard_all(slow, gone)
+    idle = [k for k in fast.order if k not in busy]
+    new = [NS.key(100 + i) for i in range(rng.randint(0, 8))]
+    room = max(0, len(new) - len(idle)) + rng.randint(0, 2)
+    can_evict = (lambda k: k not in busy and k not in set(new))
+    assert fast.admit_all(new, room, can_evict) == \
+        EvictionPolicy.admit_all(slow, new, room, can_evict)
+    assert list(fast.order) == list(slow.order)
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

@@ -47,8 +47,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice, repeat
-from operator import itemgetter
+from itertools import compress, islice, repeat
+from operator import itemgetter, not_
 
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.checksums import all_uint64
@@ -270,8 +270,8 @@ class SharedBlockIndex:
         plan = replace(self.index.prepare_store(keys), hash_later=hash_later)
         namespaces = lease.namespaces
         self._log_removed(plan.evicted)
-        for key in plan.evicted:  # the requester's: what its tier below needs to check them
-            sums = self._drop_sums(key)
+        for key, sums in zip(plan.evicted, self._drop_sums(plan.evicted), strict=True):
+            # the requester's: what its tier below needs to check them
             if key[:DIGEST_BYTES] not in namespaces or not sums or sums[0] is None \
                     or self._evicted_count + len(sums) > MAX_EVICTED_SUMS:
                 continue  # another's, not hashed (never written below) or past the bound
@@ -354,7 +354,7 @@ class SharedBlockIndex:
                 else:
                     committed.append(key)
         if lease.unasked:  # committed by row sums under a plan that asked no xxh3s: orphans
-            self._orphans.update(key for key in by_row_sums if key in lease.unasked)
+            self._orphans.update(filter(lease.unasked.__contains__, by_row_sums))
             lease.unasked.difference_update(held_keys)
         self.log.add(STORED, committed)
         self.log.add(ROW_SUMS_STORED, by_row_sums)
@@ -425,25 +425,25 @@ class SharedBlockIndex:
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
         keys = self._own(client, keys)
-        self._log_removed([key for key in keys if self.index.contains(key)])
+        self._log_removed(list(compress(keys, self.index.present(keys))))
         self.index.discard(keys)
-        for key in keys:
-            self._drop_sums(key)
+        self._drop_sums(keys)
 
-    def _log_removed(self, keys: Sequence[bytes]) -> None:
+    def _log_removed(self, keys: list[bytes]) -> None:
         """Committed blocks leaving the index: to every lease, or to the row-sum readers only
         where never hashed (no other lease ever had them)."""
-        hashed, unhashed = [], []
-        for key in keys:
-            (unhashed if key in self._unhashed else hashed).append(key)
-        self.log.add(REMOVED, hashed)
-        self.log.add(ROW_SUMS_REMOVED, unhashed)
+        if not self._unhashed:
+            self.log.add(REMOVED, keys)
+            return
+        unhashed = list(map(self._unhashed.__contains__, keys))
+        self.log.add(REMOVED, list(compress(keys, map(not_, unhashed))))
+        self.log.add(ROW_SUMS_REMOVED, list(compress(keys, unhashed)))
 
-    def _drop_sums(self, key: bytes) -> Sums | None:
-        """Forget a key's checksums (it left the index); returns them."""
-        self._unhashed.pop(key, None)
-        self._orphans.discard(key)
-        return self._sums.pop(key, None)
+    def _drop_sums(self, keys: Sequence[bytes]) -> list[Sums | None]:
+        """Forget the keys' checksums (they left the index); returns them."""
+        deque(map(self._unhashed.pop, keys, repeat(None)), maxlen=0)
+        self._orphans.difference_update(keys)
+        return list(map(self._sums.pop, keys, repeat(None)))
 
     def clear(self, client: int) -> None:
         """Drop every key of the client's namespaces (another model's keys stay)."""
