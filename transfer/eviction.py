@@ -29,7 +29,8 @@ class EvictionPolicy(ABC):
 
     def admit_all(self, keys: Sequence[bytes], room: int, can_evict: CanEvict) -> list[bytes]:
         """`admit` each key in turn: the first `room` into free slots, each later one evicting a
-        key; the victims in order."""
+        key; the victims in order. `can_evict` refuses the keys of the call (the index never lets
+        a store evict its own keys), so a policy may pick every victim first (LRU does)."""
         return [victim for i, key in enumerate(keys)
                 if (victim := self.admit(key, i >= room, can_evict)) is not None]
 
