@@ -329,12 +329,12 @@ def test_index_serves_unhashed_blocks_by_lease() -> None:
     assert index.unhashed == 1
     assert (index.lookup(1, keys), index.lookup(2, keys)) == (1, 3)
     assert index.prepare_load(1, keys) is None
-    assert index.prepare_load(2, keys) == (plan.slots, [[1, 10], [None, 11], [3, 12]])
+    assert index.prepare_load(2, keys) == (plan.slots, [(1, 10), (None, 11), (3, 12)])
     index.complete_load(2, keys)
     assert index.add_sums(2, keys[1:2], [[2, 11]], plan.slots[1:2]) == [False]  # not its
     assert index.add_sums(1, keys[1:2], [[2, 11]], plan.slots[1:2]) == [True]
     assert index.lookup(1, keys) == 3 and index.unhashed == 0
-    assert index.prepare_load(1, keys) == (plan.slots, [[1, 10], [2, 11], [3, 12]])
+    assert index.prepare_load(1, keys) == (plan.slots, [(1, 10), (2, 11), (3, 12)])
 
 
 def test_a_row_sum_readers_load_checked_by_xxh3_ends_before_an_unhashed_block(

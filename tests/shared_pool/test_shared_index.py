@@ -3,6 +3,8 @@ block is committed with."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import transfer.shared.index as index_module
@@ -25,13 +27,35 @@ def sums(count: int, first: int = 1) -> list[list[int]]:
     return [[first + 2 * i, first + 2 * i + 1] for i in range(count)]
 
 
+def kept(lists: list[list[int]]) -> list[tuple[int, ...]]:
+    """Checksums as the index keeps and hands them out: tuples (untracked by Python's collector,
+    so a full pass does not walk one object per stored key for them)."""
+    return [tuple(values) for values in lists]
+
+
+def test_kept_checksums_leave_the_collectors_passes() -> None:
+    """What the index keeps per stored key for its checksums is a tuple of ints, which Python's
+    collector stops tracking once it has seen it: a full pass then walks no object for them,
+    committed by row sums in bulk, one by one with xxh3s, or with xxh3s attached later."""
+    index = make(num_slots=8)
+    bulk, single = A.keys([b"r0", b"r1"]), A.keys([b"x0"])
+    plan = index.prepare_store(1, bulk + single)
+    index.complete_store(1, bulk, [True, True], [[None, 7], [None, 8]])
+    index.complete_store(1, single, [True], [[5, 9]])
+    assert index.add_sums(1, bulk[:1], [[6, 7]], plan.slots[:1]) == [True]
+    gc.collect()
+    kept_sums = index.checksums(1, bulk + single)
+    assert kept_sums == [(6, 7), (None, 8), (5, 9)]
+    assert [gc.is_tracked(values) for values in kept_sums] == [False] * 3
+
+
 def test_a_dead_clients_stores_fail_and_its_pins_drop() -> None:
     index = make()
     stored = A.keys([b"s0", b"s1"])
     plan = index.prepare_store(1, stored)
     index.complete_store(1, plan.keys, [True, True], sums(2))
-    assert index.prepare_load(1, stored) == (plan.slots, sums(2))
-    assert index.prepare_load(1, stored[:1]) == (plan.slots[:1], sums(1))  # pinned twice
+    assert index.prepare_load(1, stored) == (plan.slots, kept(sums(2)))
+    assert index.prepare_load(1, stored[:1]) == (plan.slots[:1], kept(sums(1)))  # pinned twice
     storing = index.prepare_store(1, A.keys([b"w0"])).keys
     assert index.index.is_being_stored(storing[0])
     index.release(1)
@@ -51,7 +75,7 @@ def test_completions_of_what_a_client_does_not_hold_are_ignored() -> None:
     index.complete_load(3, keys)
     assert index.index.is_being_stored(keys[0]) and index.checksums(1, keys) == [None]
     index.complete_store(1, keys, [True], sums(1))
-    assert index.checksums(1, keys) == sums(1)
+    assert index.checksums(1, keys) == kept(sums(1))
 
 
 def _pins(index: SharedBlockIndex, client: int) -> dict[bytes, int]:
@@ -102,7 +126,7 @@ def test_a_commit_naming_keys_it_does_not_hold_commits_the_rest_with_their_own_s
     mixed = [ours[0], theirs[0], ours[1], never[0], ours[2]]
     index.complete_store(1, mixed, [True, True, False, True, True],
                          [[10, 11], [20, 21], None, [30, 31], [None, None, 40, 41]])
-    assert index.checksums(1, ours) == [[10, 11], None, [None, None, 40, 41]]
+    assert index.checksums(1, ours) == [(10, 11), None, (None, None, 40, 41)]
     assert index.lookup(1, ours[:1]) == 1 and index.index.num_free == 6 - 3  # m1 freed
     assert index.index.is_being_stored(theirs[0]) and index.checksums(1, never) == [None]
     assert index.unhashed == 1
@@ -133,7 +157,7 @@ def test_a_commit_by_row_sums_with_one_bad_list_changes_nothing(bad: object) -> 
         index.complete_store(1, keys, [True] * 3, [[None, 5], bad, [None, 7]])
     assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
     index.complete_store(1, keys, [True] * 3, [[None, 5], [None, 0], [None, (1 << 64) - 1]])
-    assert index.checksums(1, keys) == [[None, 5], [None, 0], [None, (1 << 64) - 1]]
+    assert index.checksums(1, keys) == [(None, 5), (None, 0), (None, (1 << 64) - 1)]
     assert index.unhashed == 3 and index.lookup(1, keys) == 0  # xxh3 readers wait for hashes
     index.reads(1, row_sums=True, needs_xxh3=False)
     assert index.lookup(1, keys) == 3

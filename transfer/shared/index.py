@@ -9,7 +9,7 @@ fails its stores (their slots were being written: never readable) and drops its 
 
 Checksums: a writer commits each block with the xxh3-64 of every rank's part of its slot, seeded
 by its key (transfer/slot_checker.py), then, from GPU ranks, each rank's row sum
-(transfer.checksums.block_sums); the index keeps the list as it is and hands it out with the
+(transfer.checksums.block_sums); the index keeps the values as they are and hands them out with the
 slots a load pins, so every reader checks its part before the load is reported. The
 daemon never hashes (its loop would cap commits near one core's hash rate).
 
@@ -62,7 +62,10 @@ MAX_ANSWER_SUMS = 1 << 22  # checksums in one answer (~36 MiB packed, under MAX_
 MAX_EVICTED_SUMS = 1 << 20  # victims' checksums in one prepare_stores answer (the rest: None)
 MAX_LOG = 1 << 16  # commits and removals kept for `changes` (a reader further behind: the list)
 MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
-Sums = list[int | None]  # a block's checksums: its xxh3s (nil until hashed), then its row sums
+# A block's checksums: its xxh3s (nil until hashed), then its row sums. Kept as a tuple: Python's
+# collector stops tracking a tuple of ints once it has seen it, where a list per stored key was one
+# more object for every full pass to walk (docs/pool.md).
+Sums = tuple[int | None, ...]
 _DIGEST = itemgetter(slice(None, DIGEST_BYTES))  # a key's namespace digest
 
 
@@ -339,7 +342,7 @@ class SharedBlockIndex:
         storing.difference_update(held_keys)
         all_sums, unhashed = self._sums, self._unhashed
         if row_sums_only and None not in slots:  # a GPU writer's usual commit, in bulk
-            all_sums.update(zip(held_keys, map(list, held_sums), strict=True))
+            all_sums.update(zip(held_keys, map(tuple, held_sums), strict=True))
             unhashed.update(zip(held_keys, zip(repeat(client), slots), strict=True))
             committed, by_row_sums = [], held_keys
         else:
@@ -347,7 +350,7 @@ class SharedBlockIndex:
             for key, block_sums, slot in zip(held_keys, held_sums, slots, strict=True):
                 if slot is None:  # failed, or removed while it was being stored
                     continue
-                all_sums[key] = list(block_sums)
+                all_sums[key] = tuple(block_sums)
                 if block_sums[0] is None:  # readable to xxh3 readers once hashed
                     unhashed[key] = (client, slot)
                     by_row_sums.append(key)
@@ -359,7 +362,7 @@ class SharedBlockIndex:
         self.log.add(STORED, committed)
         self.log.add(ROW_SUMS_STORED, by_row_sums)
 
-    def add_sums(self, client: int, keys: Sequence[bytes], sums: Sequence[Sums],
+    def add_sums(self, client: int, keys: Sequence[bytes], sums: Sequence[Sequence[int | None]],
                  slots: Sequence[int]) -> list[bool]:
         """The xxh3s of blocks committed with row sums only, hashed later by their writer: each
         key's full list (its xxh3s, then the row sums the writer checked the slot against), or
@@ -389,12 +392,12 @@ class SharedBlockIndex:
             held = self._sums.get(key)
             match = self._unhashed.get(key) == (client, slot) and held is not None and \
                 len(held) == len(block_sums) and \
-                held[len(held) // 2:] == list(block_sums[len(block_sums) // 2:])
+                held[len(held) // 2:] == tuple(block_sums[len(block_sums) // 2:])
             applied.append(match)
             if match and block_sums[0] is None:
                 dropped.append(key)
             elif match:
-                self._sums[key] = list(block_sums)
+                self._sums[key] = tuple(block_sums)
                 del self._unhashed[key]
                 self._orphans.discard(key)
                 attached.append(key)
