@@ -187,13 +187,14 @@ def test_serve_takes_what_lives_as_long_as_the_daemon_out_of_the_collectors_pass
     from kvconnector.cli import pool as pool_cli
 
     frozen_when_serving: list[int] = []
+    frozen_before: list[int] = []  # when the daemon is made and the signals are set: nothing yet
 
     class Daemon:  # the real one's startup is tested above; here, what runs around it
         path = "pool.sock"
         info = SimpleNamespace(segment="segment", num_slots=16, slot_bytes=65536)
 
         def __init__(self, *args: object, **kwargs: object) -> None:
-            pass
+            frozen_before.append(gc.get_freeze_count())
 
         def stop(self) -> None:
             pass
@@ -202,7 +203,8 @@ def test_serve_takes_what_lives_as_long_as_the_daemon_out_of_the_collectors_pass
             frozen_when_serving.append(gc.get_freeze_count())
 
     monkeypatch.setattr(daemon_module, "PoolDaemon", Daemon)
-    monkeypatch.setattr(pool_cli, "stop_on_signals", lambda stop: None)
+    monkeypatch.setattr(pool_cli, "stop_on_signals",
+                        lambda stop: frozen_before.append(gc.get_freeze_count()))
     monkeypatch.setattr(pool_cli, "log_to_stderr", lambda: None)
     before = gc.get_freeze_count()
     try:
@@ -210,6 +212,7 @@ def test_serve_takes_what_lives_as_long_as_the_daemon_out_of_the_collectors_pass
                               "--slot-bytes", "64KiB"]) == 0
     finally:
         gc.unfreeze()  # this test process's objects go back to the collector
+    assert frozen_before == [before, before]
     assert len(frozen_when_serving) == 1
     assert frozen_when_serving[0] > before + 10_000  # pytest's and torch's objects at least
 
