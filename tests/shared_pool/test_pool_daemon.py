@@ -182,7 +182,7 @@ def test_serve_takes_what_lives_as_long_as_the_daemon_out_of_the_collectors_pass
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What is alive when `pool serve` starts serving (torch's and numpy's imports, the empty
     index) is frozen: a full collection walks every tracked object, and over those it stopped
-    every client's requests for 50-180 ms (development VM) whenever Python ran one."""
+    every client's requests for 68-81 ms (an H200 machine's host) whenever Python ran one."""
     import transfer.shared.daemon as daemon_module
     from kvconnector.cli import pool as pool_cli
 
