@@ -170,6 +170,30 @@ def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
     good.close()
 
 
+def test_a_commit_by_row_sums_arrives_flat_and_a_bad_one_drops_its_client(
+        pool: PoolProcess) -> None:
+    """The client sends a GPU writer's commit as its row sums alone (protocol.commit_sums); the
+    daemon keeps each key's as a list; a flat commit with a value that is no uint64 is a bad
+    notice: its client goes, its store fails, the other's commit stands."""
+    writer = PoolClient(pool.name, [NS], 100)
+    writer.notify(protocol.READS, True, False)
+    keys = NS.keys([b"w0", b"w1"])
+    placed = writer.request(protocol.PREPARE_STORES, [keys])[0][0]
+    writer.notify(protocol.COMPLETE_STORE, placed, [True, True],
+                  protocol.commit_sums([True, True], [[None, 7], [None, 8]]))
+    rude = PoolClient(pool.name, [NS], 100)
+    theirs = NS.keys([b"r0"])
+    assert rude.request(protocol.PREPARE_STORES, [theirs])[0][0] == theirs
+    with pytest.raises(PoolError):
+        rude.notify(protocol.COMPLETE_STORE, theirs, [True], [-1])
+        rude.request(protocol.STATS)
+    assert writer.request(protocol.CHECKSUMS, keys + theirs) == [[None, 7], [None, 8], None]
+    assert writer.request(protocol.LOOKUP, keys + theirs) == 2
+    stats = writer.request(protocol.STATS)
+    assert (stats["clients"], stats["stored"], stats["storing"]) == (1, 2, 0)
+    writer.close()
+
+
 def test_pool_stats_cli(pool: PoolProcess, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["pool", "stats", "--name", pool.name]) == 0
     stats = json.loads(capsys.readouterr().out)

@@ -9,6 +9,7 @@ import pytest
 
 import transfer.shared.index as index_module
 from transfer.keys import Namespace
+from transfer.shared import protocol
 from transfer.shared.index import SharedBlockIndex
 
 A = Namespace(model="a", dtype="bf16", block_size=4, block_layout="x")
@@ -181,6 +182,60 @@ def test_the_column_check_accepts_only_what_the_per_key_check_accepts(lists: lis
         assert every_by_row_sums
     else:  # checked per key: lists of different lengths may all be valid
         assert not every_by_row_sums or len(set(map(len, lists))) > 1
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_a_commit_by_row_sums_sent_flat_is_kept_as_its_lists_are(ranks: int) -> None:
+    """A GPU writer's usual commit goes over the wire as its row sums alone, key by key (no
+    array a key); the daemon keeps and logs it as the same commit sent a list a key, and skips
+    a key the client does not hold as it would there."""
+    lists = [[None] * ranks + [100 * i + r for r in range(ranks)] for i in range(3)]
+    flat = protocol.commit_sums([True] * 3, lists)
+    assert flat == [100 * i + r for i in range(3) for r in range(ranks)]
+    keys = A.keys([b"f0", b"f1", b"f2"])
+    by_lists, by_flat = make(num_slots=8), make(num_slots=8)
+    for index, sums in ((by_lists, lists), (by_flat, tuple(flat))):  # msgpack unpacks tuples
+        plan = index.prepare_store(1, keys[:2])
+        index.prepare_store(2, B.keys([b"other"]))
+        index.complete_store(1, keys, [True] * 3, sums)  # f2 is not being stored: skipped
+        assert plan.keys == keys[:2] and index.unhashed == 2
+        assert index.checksums(1, keys) == kept(lists[:2]) + [None]
+        index.reads(1, row_sums=True, needs_xxh3=False)
+        assert index.lookup(1, keys) == 2
+    assert by_flat.changes(1, -1) == by_lists.changes(1, -1)
+
+
+@pytest.mark.parametrize(("flags", "flat", "why"), [
+    ([True] * 2, [5, 6, 7], "1 to 64 a key: 3 for 2 keys"),
+    ([True] * 2, [5] * 130, "1 to 64 a key: 130 for 2 keys"),
+    ([True, False], [5, 6], "stores every key ok"),
+    ([True, 1], [5, 6], "stores every key ok"),
+    ([True], [5, 6], "stores every key ok"),
+    ([True] * 2, [5, -1], "is not a uint64"),
+    ([True] * 2, [5, 1 << 64], "is not a uint64"),
+    ([True] * 2, [5, True], "is not a uint64"),
+    ([True] * 2, [5, None], "is not a uint64"),
+    ([True] * 2, [5, [6]], "is not a uint64")])
+def test_a_bad_flat_commit_changes_nothing(flags: list, flat: list, why: str) -> None:
+    index = make()
+    keys = A.keys([b"b0", b"b1"])
+    index.prepare_store(1, keys)
+    with pytest.raises(ValueError, match=why):
+        index.complete_store(1, keys, flags, flat)
+    assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
+    index.complete_store(1, keys, [True, True], [5, 6])
+    assert index.checksums(1, keys) == [(None, 5), (None, 6)] and index.unhashed == 2
+
+
+@pytest.mark.parametrize(("flags", "lists"), [
+    ([True, False], [[None, 1], None]),  # a failed store
+    ([True, True], [[None, 1], [7, 2]]),  # an xxh3 taken
+    ([True, True], [[None, 1], [None, None, 2, 3]]),  # two rank counts
+    ([True, True], [[None, 1], [None, None]]),  # a row sum missing: the daemon refuses it
+    ([True], [[5]]),  # an xxh3 only
+    ([True], [[]])])
+def test_any_other_commit_is_sent_a_list_a_key(flags: list, lists: list) -> None:
+    assert protocol.commit_sums(flags, lists) == lists
 
 
 def test_foreign_keys_and_oversized_blocks_are_refused() -> None:

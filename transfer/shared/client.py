@@ -236,7 +236,7 @@ class SharedIndex:
         self._stats.stores += sum(flags)
         self._stats.failed_stores += len(flags) - sum(flags)
         if keys:
-            sums = [None] * len(keys) if sums is None else list(sums)  # msgpack: tuples as lists
+            sums = [None] * len(keys) if sums is None else p.commit_sums(flags, sums)
             self._notice(p.COMPLETE_STORE, list(keys), flags, sums)
 
     def add_sums(self, keys: Sequence[bytes], sums: Sequence[Sequence[int | None]],

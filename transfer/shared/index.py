@@ -319,12 +319,15 @@ class SharedBlockIndex:
         checksum: ValueError, nothing changes); keys the client is not storing are ignored."""
         lease = self.leases[client]
         keys = self._own(client, keys, unique=True)
+        flat = isinstance(sums, list | tuple) and bool(sums) and type(sums[0]) is int
+        if flat:  # a GPU writer's commit by row sums: one flat run of them (protocol.py)
+            sums = _row_sums_of(keys, flags, sums)
         if not isinstance(flags, list | tuple) or not isinstance(sums, list | tuple) \
                 or not len(flags) == len(sums) == len(keys):
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
-        all_ok = flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
-        row_sums_only = all_ok and _row_sums_only(sums)
+        all_ok = flat or flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
+        row_sums_only = flat or all_ok and _row_sums_only(sums)
         if not row_sums_only:
             for key, ok, block_sums in zip(keys, flags, sums, strict=True):
                 if ok is True:
@@ -527,6 +530,25 @@ def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
     for value in values:
         if type(value) is not int or not 0 <= value < _UINT64_END:  # an exact int: not a bool
             raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
+
+
+def _row_sums_of(keys: Sequence[bytes], flags: object, sums: Sequence[object]) -> list[Sums]:
+    """A commit by row sums only sent flat (every key stored ok; ranks row sums a key, key by
+    key: protocol.COMPLETE_STORE) as each key's checksums, its xxh3s nil; ValueError naming
+    what is wrong."""
+    ranks, rest = divmod(len(sums), len(keys))
+    if rest or not 0 < ranks <= MAX_BLOCK_SUMS // 2:
+        raise ValueError(f"a commit by row sums sends 1 to {MAX_BLOCK_SUMS // 2} a key: "
+                         f"{len(sums)} for {len(keys)} keys")
+    if not isinstance(flags, list | tuple) or len(flags) != len(keys) \
+            or flags.count(True) != len(flags) or set(map(type, flags)) != {bool}:
+        raise ValueError(f"a commit by row sums stores every key ok: {len(keys)} keys, flags "
+                         f"{brief(flags)}")
+    if not all_uint64(sums):
+        bad = next(v for v in sums if type(v) is not int or not 0 <= v < _UINT64_END)
+        raise ValueError(f"a commit by row sums: {brief(bad)} is not a uint64")
+    nils = (None,) * ranks
+    return list(map(nils.__add__, zip(*[iter(sums)] * ranks, strict=True)))  # each key's, in C
 
 
 def _row_sums_only(sums: Sequence[object]) -> bool:

@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,9 @@ ADD_SUMS = "add_sums"  # (keys, per key its xxh3s then its committed row sums (n
 #                        (blocks this client committed with row sums only)
 READS = "reads"  # notice (by row sums, needs xxh3s): how this client checks its loads, and
 #                  whether it needs blocks' xxh3s (it reads by xxh3, or keeps blocks below)
-COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums)
+COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums;
+#                                    or, every key ok and committed by row sums only, their
+#                                    row sums flat, each key's ranks in turn: commit_sums)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
@@ -131,6 +134,28 @@ def read_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES
     if len(args) != ARGUMENTS[verb]:
         raise ValueError(f"{verb} takes {ARGUMENTS[verb]} arguments, got {len(args)}")
     return verb, args
+
+
+def commit_sums(flags: Sequence[bool], sums: Sequence[Sequence[int | None] | None]
+                ) -> list[Any]:
+    """A commit's checksums as COMPLETE_STORE sends them. A GPU writer's usual commit (every
+    key ok, each with nil xxh3s then as many row sums, all keys with the same ranks) goes as
+    its row sums alone, flat (key by key, each key's ranks in turn): no array a key, so the
+    daemon, which applies every engine's commits on one thread, unpacks and checks them in
+    about half the time. Any other goes as given, one list a key."""
+    sums = list(sums)
+    if not sums or not all(flags) or not set(map(type, sums)) <= {list, tuple}:
+        return sums
+    lengths = set(map(len, sums))
+    (length,) = lengths if len(lengths) == 1 else (1,)
+    ranks = length // 2
+    if length % 2 or not ranks:
+        return sums
+    columns = list(zip(*sums, strict=True))
+    if any(column.count(None) != len(column) for column in columns[:ranks]) or \
+            any(None in column for column in columns[ranks:]):
+        return sums
+    return [value for block in sums for value in block[ranks:]]
 
 
 def _check_depth(message: tuple[Any, ...]) -> None:
