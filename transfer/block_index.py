@@ -25,10 +25,10 @@ handed out again, and data that a reset meant to discard is never revived.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import repeat
-from operator import attrgetter
 from typing import Protocol
 
 from transfer.eviction import ARCPolicy, EvictionPolicy, LRUPolicy
@@ -78,21 +78,6 @@ class IndexStats:
     failed_stores: int = 0
 
 
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    storing: bool = True
-    pins: int = 0
-
-    @property
-    def idle(self) -> bool:
-        return not self.storing and self.pins == 0
-
-
-_STORING = attrgetter("storing")
-_SLOT = attrgetter("slot")
-_PINS = attrgetter("pins")
-
 
 class BlockIndex:
     """Maps keys of one namespace to slots of a pool of `num_slots` blocks (see module doc).
@@ -114,8 +99,12 @@ class BlockIndex:
         self.num_slots = num_slots
         self.policy: EvictionPolicy = LRUPolicy() if policy == "lru" else ARCPolicy(num_slots)
         self._digest = None if namespace is None else namespace.digest
-        self._entries: dict[bytes, _Entry] = {}  # live keys: stored or being stored
-        self._draining: dict[bytes, _Entry] = {}  # removed while busy; slot freed when released
+        # A key's state in containers of keys and ints, no object a key: Python's collector walks
+        # none per stored key (a pool's index holds hundreds of thousands; docs/pool.md).
+        self._slots: dict[bytes, int] = {}  # live keys (stored or being stored) -> slot
+        self._draining: dict[bytes, int] = {}  # removed while busy -> slot, freed when released
+        self._storing: set[bytes] = set()  # keys being stored, live or draining
+        self._pins: dict[bytes, int] = {}  # pinned keys, live or draining -> loads in flight
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._num_idle = 0  # live entries stored and unpinned: the eviction candidates
         self._stats = IndexStats()
@@ -124,7 +113,7 @@ class BlockIndex:
 
     def __len__(self) -> int:
         """Keys stored or being stored (draining keys excluded)."""
-        return len(self._entries)
+        return len(self._slots)
 
     def __contains__(self, key: bytes) -> bool:
         return self.contains(key)
@@ -156,42 +145,44 @@ class BlockIndex:
 
     def contains(self, key: bytes) -> bool:
         """True when `key` is stored and readable."""
-        entry = self._entries.get(self._checked(key))
-        return entry is not None and not entry.storing
+        return self._checked(key) in self._slots and key not in self._storing
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """`contains` for each of `keys` (a shared pool's index answers in one round trip)."""
-        return [entry is not None and not entry.storing
-                for entry in map(self._entries.get, self._checked_keys(keys, unique=False))]
+        slots, storing = self._slots, self._storing
+        return [key in slots and key not in storing
+                for key in self._checked_keys(keys, unique=False)]
 
     def held_keys(self) -> list[bytes]:
         """Keys stored or being stored (draining keys excluded)."""
-        return list(self._entries)
+        return list(self._slots)
 
     def slot_of(self, key: bytes) -> int:
         """The slot a key holds (stored, being stored or draining)."""
-        entry = self._entries.get(self._checked(key)) or self._draining.get(key)
-        if entry is None:
+        slot = self._slots.get(self._checked(key), self._draining.get(key))
+        if slot is None:
             raise ValueError(f"key {key.hex()} holds no slot")
-        return entry.slot
+        return slot
 
     def is_idle(self, key: bytes) -> bool:
         """Stored, and neither being stored nor pinned (removing it frees its slot at once)."""
-        entry = self._entries.get(self._checked(key))
-        return entry is not None and entry.idle
+        return self._checked(key) in self._slots and self._idle(key)
+
+    def _idle(self, key: bytes) -> bool:
+        """Of a key that holds a slot: neither being stored nor pinned."""
+        return key not in self._storing and key not in self._pins
 
     def is_being_stored(self, key: bytes) -> bool:
         """True while a store of `key` is in flight (a load of it must wait for complete_store)."""
-        entry = self._entries.get(self._checked(key))
-        return entry is not None and entry.storing
+        return self._checked(key) in self._slots and key in self._storing
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of `keys` stored now; a key being stored ends it."""
         keys = self._checked_keys(keys, unique=False)
+        slots, storing = self._slots, self._storing
         length = 0
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.storing:
+            if key not in slots or key in storing:
                 break
             length += 1
         self._stats.hits += length
@@ -205,29 +196,28 @@ class BlockIndex:
         in policy order as needed; keys of this call are never evicted by it. Places as many as
         fit, as a prefix (see StorePlan)."""
         keys = self._checked_keys(keys)
-        entries = self._entries
+        live = self._slots
         draining = self._draining
         needed: list[bytes] = []
         blocked: list[bytes] = []  # a draining key and every key after it: placed stays a prefix
         idle_in_call = 0
-        if any(map(entries.get, keys)) or (draining and not draining.keys().isdisjoint(keys)):
+        if not live.keys().isdisjoint(keys) or (draining and not draining.keys().isdisjoint(keys)):
             for key in keys:
-                entry = entries.get(key)
-                if entry is not None:
-                    idle_in_call += entry.idle
+                if key in live:
+                    idle_in_call += self._idle(key)
                 elif blocked or key in draining:
                     blocked.append(key)
                 else:
                     needed.append(key)
-        else:  # the usual store: every key new (an entry is always true)
+        else:  # the usual store: every key new
             needed = keys
         room = len(self._free) + self._num_idle - idle_in_call
         placed, not_placed = needed[:room], needed[room:] + blocked
 
         in_call = set(keys)
 
-        def can_evict(key: bytes) -> bool:  # the call's own first: those admitted have no entry
-            return key not in in_call and entries[key].idle
+        def can_evict(key: bytes) -> bool:  # the call's own first: those admitted hold no slot
+            return key not in in_call and self._idle(key)
 
         # Tail first: the head of the prefix ends most recent. The first keys take free slots as
         # pop() hands them out; each later one takes its victim's slot.
@@ -237,10 +227,11 @@ class BlockIndex:
         evicted = self.policy.admit_all(order, len(free), can_evict)
         slots = free[len(free) - taken:][::-1]
         del free[len(free) - taken:]
-        evicted_slots = list(map(_SLOT, map(entries.pop, evicted)))
+        evicted_slots = list(map(live.pop, evicted))
         self._num_idle -= len(evicted)
         slots += evicted_slots
-        entries.update(zip(order, map(_Entry, slots), strict=True))
+        live.update(zip(order, slots, strict=True))
+        self._storing.update(order)
         self._stats.evictions += len(evicted)
         return StorePlan(placed, slots[::-1], not_placed, evicted, evicted_slots)
 
@@ -273,33 +264,29 @@ class BlockIndex:
         every commit whole before it calls this, and a GPU writer's commits are the daemon's
         busiest request."""
         # Checked whole before anything changes; a commit of keys all stored ok and none
-        # draining (the usual one) is then applied without a branch a key.
-        entries = list(map(self._entries.get, keys))
-        draining = self._draining
-        if not all(entries) or not all(map(_STORING, entries)):  # an entry is always true
+        # draining (the usual one) is then applied in passes in C. A key being stored is never
+        # pinned (a load waits for its commit): each one stored ok is idle now.
+        storing, draining = self._storing, self._draining
+        if not storing.issuperset(keys):
             for key in keys:
-                entry = self._entries.get(key) or draining.get(key)
-                if entry is None or not entry.storing:
+                if key not in storing:
                     raise ValueError(f"key {key.hex()} is not being stored")
         stores = flags.count(True)
+        storing.difference_update(keys)
         if stores == len(keys) and (not draining or draining.keys().isdisjoint(keys)):
-            for entry in entries:
-                entry.storing = False
             self._num_idle += stores
-            readable: list[int | None] = list(map(_SLOT, entries))
+            readable: list[int | None] = list(map(self._slots.__getitem__, keys))
         else:
             readable = []
             for key, stored in zip(keys, flags, strict=True):
                 slot = None
                 if key in draining:
-                    self._free.append(draining.pop(key).slot)
+                    self._free.append(draining.pop(key))
                 elif stored:
-                    entry = self._entries[key]
-                    entry.storing = False
                     self._num_idle += 1
-                    slot = entry.slot
+                    slot = self._slots[key]
                 else:
-                    self._free.append(self._entries.pop(key).slot)
+                    self._free.append(self._slots.pop(key))
                     self.policy.discard(key)
                 readable.append(slot)
         self._stats.stores += stores
@@ -309,53 +296,47 @@ class BlockIndex:
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Slots of stored keys, pinned (never evicted) until complete_load."""
         keys = self._checked_keys(keys)
-        entries = list(map(self._entries.get, keys))
-        if not all(entries) or any(map(_STORING, entries)):  # an entry is always true
-            for key, entry in zip(keys, entries, strict=True):
-                if entry is None:
+        slots, pins = list(map(self._slots.get, keys)), self._pins
+        if None in slots or not self._storing.isdisjoint(keys):
+            for key in keys:
+                if key not in self._slots:
                     raise ValueError(f"key {key.hex()} is not stored")
-                if entry.storing:
+                if key in self._storing:
                     raise ValueError(f"key {key.hex()} is still being stored")
-        idle = 0
-        for entry in entries:  # stored, none storing: idle where unpinned
-            idle += not entry.pins
-            entry.pins += 1
-        self._num_idle -= idle
+        loads = list(map(pins.get, keys, repeat(0)))
+        self._num_idle -= loads.count(0)  # stored, none storing: idle where unpinned
+        pins.update(zip(keys, map((1).__add__, loads), strict=True))  # keys are unique
         self.policy.access_all(reversed(keys))  # tail first: the prefix's head ends most recent
-        return LoadPlan(keys, list(map(_SLOT, entries)))
+        return LoadPlan(keys, slots)  # type: ignore[arg-type]  # no None: checked above
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Unpin keys read by a finished load (once per prepare_load that named them)."""
         keys = self._checked_keys(keys)
-        entries = list(map(self._entries.get, keys))
-        if all(entries) and all(map(_PINS, entries)) and (
-                not self._draining or self._draining.keys().isdisjoint(keys)):
-            # the usual unpin: every key stored and pinned, none draining (one pass, no lookups)
-            idle = 0
-            for entry in entries:
-                entry.pins -= 1
-                idle += not entry.pins and not entry.storing
-            self._num_idle += idle
-            return
-        for key in keys:
-            entry = self._entries.get(key) or self._draining.get(key)
-            if entry is None or entry.pins == 0:
-                raise ValueError(f"key {key.hex()} has no load in flight")
-        for key in keys:
-            if key in self._draining:
-                entry = self._draining[key]
-                entry.pins -= 1
-                if entry.pins == 0:
-                    self._free.append(self._draining.pop(key).slot)
-            else:
-                entry = self._entries[key]
-                entry.pins -= 1
-                self._num_idle += entry.idle
+        pins, draining = self._pins, self._draining
+        if not all(map(pins.__contains__, keys)):  # a pinned key is stored (live or draining)
+            for key in keys:
+                if key not in pins:
+                    raise ValueError(f"key {key.hex()} has no load in flight")
+        # A pinned key is never being stored: one whose last load ends is idle (live), or
+        # frees its slot (draining).
+        loads = list(map(pins.__getitem__, keys))
+        if loads.count(1) == len(loads):  # the usual unpin: each key's one load, in C
+            done = keys
+        else:
+            done = [key for key, count in zip(keys, loads, strict=True) if count == 1]
+            pins.update((key, count - 1) for key, count in zip(keys, loads, strict=True)
+                        if count > 1)
+        deque(map(pins.pop, done), 0)
+        if draining and not draining.keys().isdisjoint(done):
+            self._free.extend(draining.pop(key) for key in done if key in draining)
+            self._num_idle += sum(key in self._slots for key in done)
+        else:  # the usual unpin: none draining
+            self._num_idle += len(done)
 
     def restore(self, stored: Mapping[bytes, int]) -> None:
         """Adopt keys found stored in given slots (a persistent tier after a restart) into an
         empty index, as stored and idle, each slot's key most recent in slot order."""
-        if self._entries or self._draining or len(self._free) != self.num_slots:
+        if self._slots or self._draining or len(self._free) != self.num_slots:
             raise ValueError("restore needs an empty index")
         keys = self._checked_keys(list(stored))
         slots = list(stored.values())
@@ -367,7 +348,7 @@ class BlockIndex:
             raise ValueError("two keys restored into one slot")
         for key, slot in sorted(zip(keys, slots, strict=True), key=lambda pair: pair[1]):
             self.policy.admit(key, False, lambda _: False)
-            self._entries[key] = _Entry(slot, storing=False)
+            self._slots[key] = slot
         taken = set(slots)
         self._free = [slot for slot in self._free if slot not in taken]
         self._num_idle = len(keys)
@@ -377,39 +358,39 @@ class BlockIndex:
     def remove(self, keys: Sequence[bytes]) -> None:
         """Drop stored or being-stored keys: idle ones free their slot now, busy ones drain."""
         keys = self._checked_keys(keys)
-        entries = self._entries
-        if not all(map(entries.__contains__, keys)):
+        live = self._slots
+        if not all(map(live.__contains__, keys)):
             for key in keys:
-                if key not in entries:
+                if key not in live:
                     raise ValueError(f"key {key.hex()} is not in the index")
         self.policy.discard_all(keys)
-        dropped = list(map(entries.pop, keys))
-        if any(map(_STORING, dropped)) or any(map(_PINS, dropped)):
-            for key, entry in zip(keys, dropped, strict=True):
-                self._release(key, entry)
+        dropped = list(map(live.pop, keys))
+        if not self._storing.isdisjoint(keys) or not self._pins.keys().isdisjoint(keys):
+            for key, slot in zip(keys, dropped, strict=True):
+                self._release(key, slot)
         else:  # the usual removal: every key idle, its slot free at once
-            self._free.extend(map(_SLOT, dropped))
+            self._free.extend(dropped)
             self._num_idle -= len(dropped)
 
     def discard(self, keys: Sequence[bytes]) -> None:
         """`remove` the keys that are stored or being stored; the others are ignored."""
-        self.remove(list(filter(self._entries.__contains__,
+        self.remove(list(filter(self._slots.__contains__,
                                 dict.fromkeys(self._checked_keys(keys, unique=False)))))
 
     def clear(self) -> None:
         """Drop every key (reset_cache): idle slots are freed now, busy keys drain; the policy
         forgets its history. Counters are kept."""
-        for key in list(self._entries):
-            self._release(key, self._entries.pop(key))
+        for key in list(self._slots):
+            self._release(key, self._slots.pop(key))
         self.policy.clear()
 
-    def _release(self, key: bytes, entry: _Entry) -> None:
+    def _release(self, key: bytes, slot: int) -> None:
         """A removed key's slot: free now when idle, else once its load or store ends."""
-        if entry.idle:
-            self._free.append(entry.slot)
+        if self._idle(key):
+            self._free.append(slot)
             self._num_idle -= 1
         else:
-            self._draining[key] = entry
+            self._draining[key] = slot
 
     # ---- validation ----------------------------------------------------------------------
 
