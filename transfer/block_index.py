@@ -106,7 +106,7 @@ class BlockIndex:
         self._storing: set[bytes] = set()  # keys being stored, live or draining
         self._pins: dict[bytes, int] = {}  # pinned keys, live or draining -> loads in flight
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._num_idle = 0  # live entries stored and unpinned: the eviction candidates
+        self._num_idle = 0  # live keys stored and unpinned: the eviction candidates
         self._stats = IndexStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -159,7 +159,9 @@ class BlockIndex:
 
     def slot_of(self, key: bytes) -> int:
         """The slot a key holds (stored, being stored or draining)."""
-        slot = self._slots.get(self._checked(key), self._draining.get(key))
+        slot = self._slots.get(self._checked(key))
+        if slot is None:
+            slot = self._draining.get(key)
         if slot is None:
             raise ValueError(f"key {key.hex()} holds no slot")
         return slot

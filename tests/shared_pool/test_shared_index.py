@@ -276,9 +276,25 @@ def test_a_bad_flat_commit_changes_nothing(flags: list, flat: list, why: str) ->
     ([True, True], [[None, 1], [None, None, 2, 3]]),  # two rank counts
     ([True, True], [[None, 1], [None, None]]),  # a row sum missing: the daemon refuses it
     ([True], [[5]]),  # an xxh3 only
-    ([True], [[]])])
+    ([True], [[]]),
+    ([True, True], [[None, None, 5, 6]]),  # fewer lists than keys: the daemon refuses it
+    ([True], [[None, 5], [None, 6]])])  # more
 def test_any_other_commit_is_sent_a_list_a_key(flags: list, lists: list) -> None:
     assert protocol.commit_sums(flags, lists) == lists
+
+
+def test_a_commit_with_the_wrong_number_of_lists_is_refused_as_sent() -> None:
+    """Two keys, one list of two ranks' row sums: not the flat form of two keys (the same four
+    values would read as one rank each)."""
+    index = make()
+    keys = A.keys([b"w0", b"w1"])
+    index.prepare_store(1, keys)
+    for lists in ([[None, None, 5, 6]], [[None, 5], [None, 6], [None, 7]]):
+        with pytest.raises(ValueError, match="one ok flag and one checksum list per key"):
+            index.complete_store(1, keys, [True, True], protocol.commit_sums([True, True], lists))
+    with pytest.raises(ValueError, match="one ok flag and one checksum list per key"):
+        index.complete_store(1, [], [], [5])
+    assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
 
 
 def test_foreign_keys_and_oversized_blocks_are_refused() -> None:

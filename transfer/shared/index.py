@@ -327,7 +327,7 @@ class SharedBlockIndex:
         checksum: ValueError, nothing changes); keys the client is not storing are ignored."""
         lease = self.leases[client]
         keys = self._own(client, keys, unique=True)
-        flat = isinstance(sums, list | tuple) and bool(sums) and type(sums[0]) is int
+        flat = bool(keys) and isinstance(sums, list | tuple) and bool(sums) and type(sums[0]) is int
         if flat:  # a GPU writer's commit by row sums: one flat run of them (protocol.py)
             sums = _row_sums_of(keys, flags, sums)
         if not isinstance(flags, list | tuple) or not isinstance(sums, list | tuple) \

@@ -144,8 +144,9 @@ def commit_sums(flags: Sequence[bool], sums: Sequence[Sequence[int | None] | Non
     daemon, which applies every engine's commits on one thread, unpacks and checks them in
     about half the time. Any other goes as given, one list a key."""
     sums = list(sums)
-    if not sums or not all(flags) or not set(map(type, sums)) <= {list, tuple}:
-        return sums
+    if not sums or len(sums) != len(flags) or not all(flags) \
+            or not set(map(type, sums)) <= {list, tuple}:
+        return sums  # as given: one list a key (the daemon names what is wrong)
     lengths = set(map(len, sums))
     (length,) = lengths if len(lengths) == 1 else (1,)
     ranks = length // 2
