@@ -84,7 +84,7 @@ class _TrackedDict(dict):  # type: ignore[type-arg]
     serving (its index's containers among them), and a frozen container is never walked again.
     An empty plain dict is not tracked, so it is not frozen; the first tuple put in (a new one
     is tracked) would make it tracked in the young generation, and every full pass would then
-    walk one entry per stored block: 20-100 ms at 100,000-490,000 blocks (docs/pool.md)."""
+    walk one entry per stored block: up to 0.1 s a pass at 300,000 blocks (docs/pool.md)."""
 
 
 class ChangeLog:
