@@ -213,7 +213,7 @@ def test_a_commit_by_row_sums_with_one_bad_list_changes_nothing(bad: object) -> 
     [[None, 1.0]], [[None]], [[]], [[None] * 130 + [1] * 130], [[None, 2, 3]], [[1, None]],
     [[None, None, None, 1]], [[None, 1, 2, 3]]])
 def test_the_column_check_accepts_only_what_the_per_key_check_accepts(lists: list) -> None:
-    accepted = index_module._row_sums_only(lists)
+    accepted = protocol.row_sums_only_commit(lists)
     per_key = True
     for block_sums in lists:
         try:

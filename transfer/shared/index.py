@@ -53,10 +53,9 @@ from operator import itemgetter, not_
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.checksums import all_uint64
 from transfer.keys import DIGEST_BYTES
-from transfer.shared.protocol import MAX_KEY_BYTES, brief
+from transfer.shared.protocol import MAX_BLOCK_SUMS, MAX_KEY_BYTES, brief, row_sums_only_commit
 
 MAX_NAMESPACES = 64  # per lease: an engine declares one (a test harness a few)
-MAX_BLOCK_SUMS = 128  # per block: an xxh3-64 and a row sum for each of up to 64 ranks
 MAX_PINS = 1 << 20  # per lease (a load pins each of its keys once): far above any engine's
 MAX_ANSWER_SUMS = 1 << 22  # checksums in one answer (~36 MiB packed, under MAX_MESSAGE_BYTES)
 MAX_EVICTED_SUMS = 1 << 20  # victims' checksums in one prepare_stores answer (the rest: None)
@@ -327,15 +326,19 @@ class SharedBlockIndex:
         checksum: ValueError, nothing changes); keys the client is not storing are ignored."""
         lease = self.leases[client]
         keys = self._own(client, keys, unique=True)
+        all_ok = isinstance(flags, list | tuple) and flags.count(True) == len(flags) and \
+            set(map(type, flags)) == {bool}
         flat = bool(keys) and isinstance(sums, list | tuple) and bool(sums) and type(sums[0]) is int
         if flat:  # a GPU writer's commit by row sums: one flat run of them (protocol.py)
-            sums = _row_sums_of(keys, flags, sums)
+            if not all_ok or len(flags) != len(keys):
+                raise ValueError(f"a commit by row sums stores every key ok: {len(keys)} keys, "
+                                 f"flags {brief(flags)}")
+            sums = _row_sums_of(keys, sums)
         if not isinstance(flags, list | tuple) or not isinstance(sums, list | tuple) \
                 or not len(flags) == len(sums) == len(keys):
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
-        all_ok = flat or flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
-        row_sums_only = flat or all_ok and _row_sums_only(sums)
+        row_sums_only = flat or all_ok and row_sums_only_commit(sums)
         if not row_sums_only:
             for key, ok, block_sums in zip(keys, flags, sums, strict=True):
                 if ok is True:
@@ -540,44 +543,19 @@ def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
             raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
 
 
-def _row_sums_of(keys: Sequence[bytes], flags: object, sums: Sequence[object]) -> list[Sums]:
-    """A commit by row sums only sent flat (every key stored ok; ranks row sums a key, key by
-    key: protocol.COMPLETE_STORE) as each key's checksums, its xxh3s nil; ValueError naming
-    what is wrong."""
+def _row_sums_of(keys: Sequence[bytes], sums: Sequence[object]) -> list[Sums]:
+    """A commit by row sums only sent flat (ranks row sums a key, key by key:
+    protocol.COMPLETE_STORE) as each key's checksums, its xxh3s nil; ValueError naming what is
+    wrong."""
     ranks, rest = divmod(len(sums), len(keys))
     if rest or not 0 < ranks <= MAX_BLOCK_SUMS // 2:
         raise ValueError(f"a commit by row sums sends 1 to {MAX_BLOCK_SUMS // 2} a key: "
                          f"{len(sums)} for {len(keys)} keys")
-    if not isinstance(flags, list | tuple) or len(flags) != len(keys) \
-            or flags.count(True) != len(flags) or set(map(type, flags)) != {bool}:
-        raise ValueError(f"a commit by row sums stores every key ok: {len(keys)} keys, flags "
-                         f"{brief(flags)}")
     if not all_uint64(sums):
         bad = next(v for v in sums if type(v) is not int or not 0 <= v < _UINT64_END)
         raise ValueError(f"a commit by row sums: {brief(bad)} is not a uint64")
     nils = (None,) * ranks
     return list(map(nils.__add__, zip(*[iter(sums)] * ranks, strict=True)))  # each key's, in C
-
-
-def _row_sums_only(sums: Sequence[object]) -> bool:
-    """Whether every list of a commit is a valid commit by row sums only with the same number
-    of ranks (a GPU writer's): checked a column at a time, in C. False says nothing about
-    validity: the caller checks each list then (_check_sums)."""
-    if not sums or not set(map(type, sums)) <= {list, tuple}:
-        return False
-    lengths = set(map(len, sums))
-    if len(lengths) != 1:
-        return False
-    (length,) = lengths
-    if length % 2 or not 0 < length <= MAX_BLOCK_SUMS:
-        return False
-    columns = list(zip(*sums, strict=True))
-    ranks = length // 2
-    try:
-        return all(set(column) == {None} for column in columns[:ranks]) and \
-            all(map(all_uint64, columns[ranks:]))
-    except TypeError:  # an unhashable value where a nil belongs: the per-key check names it
-        return False
 
 
 def _unsummed(key: bytes) -> str:

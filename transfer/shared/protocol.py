@@ -28,6 +28,8 @@ from typing import Any
 
 import msgpack
 
+from transfer.checksums import all_uint64
+
 HELLO = "hello"  # (namespace digests, bytes of a slot each block uses) -> PoolInfo fields
 LOOKUP = "lookup"  # (keys) -> length of the stored prefix
 PREPARE_STORES = "prepare_stores"  # (key lists) -> per list: StorePlan's first five fields,
@@ -65,6 +67,7 @@ MAX_MESSAGE_BYTES = 64 << 20  # the largest answer a client reads
 # at 16 a block) or a step's commit fit many times over. Unpacked, a request's objects take up
 # to ~36x its bytes (a tuple of uncached ints), one request at a time.
 MAX_REQUEST_BYTES = 8 << 20
+MAX_BLOCK_SUMS = 128  # per block: an xxh3-64 and a row sum for each of up to 64 ranks
 MAX_KEY_BYTES = 256  # a key: a 16-byte namespace digest + a block hash (vLLM's: 32 B)
 MAX_DEPTH = 3  # arrays in arrays: [verb, [[key, ...], ...]], [verb, keys, flags, [[sum, ...]]]
 MAX_ARRAY_ITEMS = 1 << 19  # keys of one request: over 3x what MAX_REQUEST_BYTES holds
@@ -144,19 +147,31 @@ def commit_sums(flags: Sequence[bool], sums: Sequence[Sequence[int | None] | Non
     daemon, which applies every engine's commits on one thread, to unpack and check (a commit
     takes it 0.79-0.97 of the time: docs/pool.md). Any other goes as given, one list a key."""
     sums = list(sums)
-    if not sums or len(sums) != len(flags) or not all(flags) \
-            or not set(map(type, sums)) <= {list, tuple}:
+    if len(sums) != len(flags) or not all(flags) or not row_sums_only_commit(sums):
         return sums  # as given: one list a key (the daemon names what is wrong)
-    lengths = set(map(len, sums))
-    (length,) = lengths if len(lengths) == 1 else (1,)
-    ranks = length // 2
-    if length % 2 or not ranks:
-        return sums
-    columns = list(zip(*sums, strict=True))
-    if any(column.count(None) != len(column) for column in columns[:ranks]) or \
-            any(None in column for column in columns[ranks:]):
-        return sums
+    ranks = len(sums[0]) // 2
     return [value for block in sums for value in block[ranks:]]
+
+
+def row_sums_only_commit(sums: Sequence[object]) -> bool:
+    """Whether every list of a commit is a valid commit by row sums only with the same number
+    of ranks (a GPU writer's): checked a column at a time, in C. False says nothing about
+    validity: the daemon checks each list then (transfer/shared/index.py `_check_sums`)."""
+    if not sums or not set(map(type, sums)) <= {list, tuple}:
+        return False
+    lengths = set(map(len, sums))
+    if len(lengths) != 1:
+        return False
+    (length,) = lengths
+    if length % 2 or not 0 < length <= MAX_BLOCK_SUMS:
+        return False
+    columns = list(zip(*sums, strict=True))
+    ranks = length // 2
+    try:
+        return all(set(column) == {None} for column in columns[:ranks]) and \
+            all(map(all_uint64, columns[ranks:]))
+    except TypeError:  # an unhashable value where a nil belongs: the per-key check names it
+        return False
 
 
 def _check_depth(message: tuple[Any, ...]) -> None:
