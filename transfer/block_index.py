@@ -166,6 +166,15 @@ class BlockIndex:
             raise ValueError(f"key {key.hex()} holds no slot")
         return slot
 
+    def slots_held(self, keys: Sequence[bytes]) -> list[int | None]:
+        """The slot each key holds (stored, being stored or draining; None: none), unchecked:
+        the shared pool's index asks of keys it took from its own records."""
+        slots = list(map(self._slots.get, keys))
+        if None in slots and self._draining:
+            slots = [self._draining.get(key) if slot is None else slot
+                     for key, slot in zip(keys, slots, strict=True)]
+        return slots
+
     def is_idle(self, key: bytes) -> bool:
         """Stored, and neither being stored nor pinned (removing it frees its slot at once)."""
         return self._checked(key) in self._slots and self._idle(key)

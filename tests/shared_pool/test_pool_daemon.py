@@ -24,7 +24,7 @@ from kvconnector.layout.allocator import SHM_DIR
 from kvconnector.servers.pool import PoolProcess
 from transfer.keys import Namespace
 from transfer.shared import protocol
-from transfer.shared.client import PoolClient, PoolError
+from transfer.shared.client import PoolClient, PoolError, SharedIndex
 
 NS = Namespace(model="m", dtype="bf16", block_size=4, block_layout="x")
 NOBODY = 65534
@@ -170,28 +170,33 @@ def test_a_misbehaving_client_is_dropped_alone(pool: PoolProcess) -> None:
     good.close()
 
 
-def test_a_commit_by_row_sums_arrives_flat_and_a_bad_one_drops_its_client(
-        pool: PoolProcess) -> None:
-    """The client sends a GPU writer's commit as its row sums alone (protocol.commit_sums); the
-    daemon keeps each key's as a list; a flat commit with a value that is no uint64 is a bad
-    notice: its client goes, its store fails, the other's commit stands."""
-    writer = PoolClient(pool.name, [NS], 100)
-    writer.notify(protocol.READS, True, False)
-    keys = NS.keys([b"w0", b"w1"])
-    placed = writer.request(protocol.PREPARE_STORES, [keys])[0][0]
-    writer.notify(protocol.COMPLETE_STORE, placed, [True, True],
-                  protocol.commit_sums([True, True], [[None, 7], [None, 8]]))
+def test_a_commit_by_slots_reaches_the_daemon_and_a_bad_one_drops_its_client(
+        pool: PoolProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU writer's usual commit goes by the slots its plan gave (the client keeps them), its
+    row sums as bytes; any other goes a key and a list a key. A commit by slots naming a slot
+    past the pool's is a bad notice: its client goes, its store fails, the other's stand."""
+    sent: list[str] = []
+    notify = PoolClient.notify
+    monkeypatch.setattr(PoolClient, "notify",
+                        lambda self, verb, *args: (sent.append(verb), notify(self, verb, *args)))
+    index = SharedIndex(pool.name, NS, 100, retry_s=0.0, row_sum_reader=True, needs_xxh3=False)
+    keys, others = NS.keys([b"w0", b"w1"]), NS.keys([b"x0", b"x1"])
+    index.prepare_stores([keys, others])
+    index.complete_store(keys, True, [[None, 7], [None, (1 << 64) - 1]])
+    index.complete_store(others, [True, False], [[None, 5], None])  # one failed: by keys
+    assert sent[-2:] == [protocol.COMMIT_ROW_SUMS, protocol.COMPLETE_STORE]
     rude = PoolClient(pool.name, [NS], 100)
     theirs = NS.keys([b"r0"])
     assert rude.request(protocol.PREPARE_STORES, [theirs])[0][0] == theirs
     with pytest.raises(PoolError):
-        rude.notify(protocol.COMPLETE_STORE, theirs, [True], [-1])
+        rude.notify(protocol.COMMIT_ROW_SUMS, *protocol.pack_row_sums_commit([256], [[None, 1]]))
         rude.request(protocol.STATS)
-    assert writer.request(protocol.CHECKSUMS, keys + theirs) == [[None, 7], [None, 8], None]
-    assert writer.request(protocol.LOOKUP, keys + theirs) == 2
-    stats = writer.request(protocol.STATS)
-    assert (stats["clients"], stats["stored"], stats["storing"]) == (1, 2, 0)
-    writer.close()
+    assert index.checksums(keys + others + theirs) == [[None, 7], [None, (1 << 64) - 1],
+                                                       [None, 5], None, None]
+    assert index.lookup_prefix(keys + others) == 3
+    stats = index._client.request(protocol.STATS)  # type: ignore[union-attr]
+    assert (stats["clients"], stats["stored"], stats["storing"]) == (1, 3, 0)
+    index.close()
 
 
 def test_pool_stats_cli(pool: PoolProcess, capsys: pytest.CaptureFixture[str]) -> None:

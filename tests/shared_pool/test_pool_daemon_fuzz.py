@@ -1,9 +1,10 @@
 """A time-bounded fuzz of the pool daemon: processes throwing random bytes, truncated and deep
 msgpack, wrong types, huge frames, hundreds of connections, half frames, answers left unread,
-protocol abuse by well-formed clients (a second hello, keys twice, commits of keys never begun,
-others' pins released, junk written into the slots they are given) and clients SIGKILLed midway,
-while a legitimate client stores and loads. Afterwards the daemon is alive and prompt, every slot
-is usable and a round trip is byte-exact; its memory stayed under a stated bound.
+protocol abuse by well-formed clients (a second hello, keys twice, commits of keys never begun
+or by slots not theirs, others' pins released, junk written into the slots they are given) and
+clients SIGKILLed midway, while a legitimate client stores and loads. Afterwards the daemon is
+alive and prompt, every slot is usable and a round trip is byte-exact; its memory stayed under a
+stated bound.
 
 KVCONNECTOR_POOL_FUZZ_S sets the attack's length (default 12 s, for CI); the figures are printed
 (pytest -s).
@@ -16,6 +17,7 @@ import random
 import resource
 import signal
 import socket
+import struct
 import time
 import uuid
 from multiprocessing.connection import Connection
@@ -182,7 +184,7 @@ class Worker:
     def abuse_once(self, client: PoolClient, segment: Segment) -> None:
         rng = self.rng
         keys = self.keys(rng.randint(1, 300))
-        move = rng.randrange(9)
+        move = rng.randrange(10)
         if move == 0:
             client.request(protocol.HELLO, [NS.digest], 100)
         elif move == 1:
@@ -209,6 +211,12 @@ class Worker:
         elif move == 7:
             client.notify(rng.choice([protocol.DISCARD, protocol.CLEAR]),
                           *([keys] if rng.random() < 0.5 else []))
+        elif move == 8:  # a commit by slots: its own, others', free ones, past the pool
+            slots = client.request(protocol.PREPARE_STORES, [keys])[0][1]
+            slots += [rng.randrange(1 << 12) for _ in range(rng.randint(0, 3))]
+            ranks = rng.choice([1, 2])
+            client.notify(protocol.COMMIT_ROW_SUMS, struct.pack(f"<{len(slots)}I", *slots),
+                          rng.randbytes(8 * ranks * len(slots)), ranks)
         else:
             client.request(protocol.CHECKSUMS, keys * rng.randint(1, 50))
 

@@ -67,8 +67,8 @@ def test_a_daemons_full_collections_walk_nothing_per_stored_block() -> None:
         def store(batch: int) -> None:
             keys = A.keys([b"%d-%d" % (batch, i) for i in range(1000)])
             plan = index.prepare_store(1, keys)
-            index.complete_store(1, plan.keys, [True] * len(plan.keys),
-                                 tuple(range(len(plan.keys))))  # flat row sums, as sent
+            index.commit_row_sums(1, *protocol.pack_row_sums_commit(  # as a GPU writer sends
+                plan.slots, [[None, i] for i in range(len(plan.keys))]))
             index.prepare_load(1, keys[::2])
             index.complete_load(1, keys[::2])
             index.prepare_load(1, keys[1::2])  # some keys stay pinned
@@ -85,7 +85,7 @@ def test_a_daemons_full_collections_walk_nothing_per_stored_block() -> None:
         inner = index.index
         containers = {"slots": inner._slots, "pins": inner._pins, "order": inner.policy.order,
                       "sums": index._sums, "unhashed": index._unhashed,
-                      "orphans": index._orphans}
+                      "orphans": index._orphans, "key_at": index._key_at}
         assert {name: len(c) >= 1000 for name, c in containers.items()} == \
             dict.fromkeys(containers, True)
         assert [name for name, c in containers.items() if id(c) in young] == []
@@ -227,71 +227,114 @@ def test_the_column_check_accepts_only_what_the_per_key_check_accepts(lists: lis
         assert not every_by_row_sums or len(set(map(len, lists))) > 1
 
 
+def commit_by_slots(index: SharedBlockIndex, client: int, slots: list[int],
+                    lists: list[list[int | None]]) -> None:
+    """A GPU writer's commit as the client sends it (COMMIT_ROW_SUMS), read by the index."""
+    packed = protocol.pack_row_sums_commit(slots, lists)
+    assert packed is not None
+    index.commit_row_sums(client, *packed)
+
+
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_a_commit_by_row_sums_sent_flat_is_kept_as_its_lists_are(ranks: int) -> None:
-    """A GPU writer's usual commit goes over the wire as its row sums alone, key by key (no
-    array a key); the daemon keeps and logs it as the same commit sent a list a key, and skips
-    a key the client does not hold as it would there."""
-    lists = [[None] * ranks + [100 * i + r for r in range(ranks)] for i in range(3)]
-    flat = protocol.commit_sums([True] * 3, lists)
-    assert flat == [100 * i + r for i in range(3) for r in range(ranks)]
+def test_a_commit_by_slots_is_the_same_commit_by_keys(ranks: int) -> None:
+    """A GPU writer's usual commit names the slots its plan gave and sends its row sums as
+    bytes; the index keeps, answers and logs it as the same commit sent a key and a list a
+    key, and skips a slot this client is not storing in (another client's, one never used) as
+    it skips a key the client does not hold."""
+    lists = [[None] * ranks + [100 * i + r + (1 << 63) for r in range(ranks)] for i in range(3)]
     keys = A.keys([b"f0", b"f1", b"f2"])
-    by_lists, by_flat = make(num_slots=8), make(num_slots=8)
-    for index, sums in ((by_lists, lists), (by_flat, tuple(flat))):  # msgpack unpacks tuples
+    by_keys, by_slots = make(num_slots=8), make(num_slots=8)
+    for index in (by_keys, by_slots):
         plan = index.prepare_store(1, keys[:2])
-        index.prepare_store(2, B.keys([b"other"]))
-        index.complete_store(1, keys, [True] * 3, sums)  # f2 is not being stored: skipped
+        other = index.prepare_store(2, B.keys([b"other"]))
+        if index is by_keys:
+            index.complete_store(1, keys, [True] * 3, lists)  # f2 is not being stored: skipped
+        else:
+            commit_by_slots(index, 1, plan.slots + other.slots + [7],
+                            lists[:2] + [[None] * ranks + [5] * ranks] * 2)
         assert plan.keys == keys[:2] and index.unhashed == 2
         assert index.checksums(1, keys) == kept(lists[:2]) + [None]
+        assert index.index.is_being_stored(other.keys[0])  # the other client's: untouched
         index.reads(1, row_sums=True, needs_xxh3=False)
         assert index.lookup(1, keys) == 2
-    assert by_flat.changes(1, -1) == by_lists.changes(1, -1)
+        assert index.index.stats.stores == 2 and index.index.num_free == 5
+    assert by_slots.changes(1, -1) == by_keys.changes(1, -1)
+    assert by_slots.changes(2, -1) == by_keys.changes(2, -1)
 
 
-@pytest.mark.parametrize(("flags", "flat", "why"), [
-    ([True] * 2, [5, 6, 7], "1 to 64 a key: 3 for 2 keys"),
-    ([True] * 2, [5] * 130, "1 to 64 a key: 130 for 2 keys"),
-    ([True, False], [5, 6], "stores every key ok"),
-    ([True, 1], [5, 6], "stores every key ok"),
-    ([True], [5, 6], "stores every key ok"),
-    ([True] * 2, [5, -1], "is not a uint64"),
-    ([True] * 2, [5, 1 << 64], "is not a uint64"),
-    ([True] * 2, [5, True], "is not a uint64"),
-    ([True] * 2, [5, None], "is not a uint64"),
-    ([True] * 2, [5, [6]], "is not a uint64")])
-def test_a_bad_flat_commit_changes_nothing(flags: list, flat: list, why: str) -> None:
+@pytest.mark.parametrize(("args", "why"), [
+    ((b"\0\0\0\0\1\0\0\0", b"\5" * 16, 0), "1 to 64 ranks a block, got 0"),
+    ((b"\0\0\0\0\1\0\0\0", b"\5" * 16, 65), "1 to 64 ranks a block, got 65"),
+    ((b"\0\0\0\0\1\0\0\0", b"\5" * 16, True), "1 to 64 ranks a block, got True"),
+    (([0, 1], b"\5" * 16, 1), "names its slots as uint32s, got an array of 2 items"),
+    ((b"", b"", 1), "names its slots as uint32s, got 0 bytes"),
+    ((b"\0\0\0\0\1\0\0", b"\5" * 16, 1), "names its slots as uint32s, got 7 bytes"),
+    ((b"\0\0\0\0\1\0\0\0", b"\5" * 15, 1), "of 2 slots at 1 ranks sends 16 B"),
+    ((b"\0\0\0\0\1\0\0\0", b"\5" * 16, 2), "of 2 slots at 2 ranks sends 32 B"),
+    ((b"\0\0\0\0\1\0\0\0", [5, 6], 1), "sends 16 B of row sums, got an array of 2"),
+    ((b"\0\0\0\0\4\0\0\0", b"\5" * 16, 1), "slot 4 is not one of the pool's 4"),
+    ((b"\0\0\0\0\0\0\0\0", b"\5" * 16, 1), "slot 0 is named twice")])
+def test_a_bad_commit_by_slots_changes_nothing(args: tuple, why: str) -> None:
     index = make()
     keys = A.keys([b"b0", b"b1"])
-    index.prepare_store(1, keys)
+    plan = index.prepare_store(1, keys)
+    assert sorted(plan.slots) == [0, 1]
     with pytest.raises(ValueError, match=why):
-        index.complete_store(1, keys, flags, flat)
+        index.commit_row_sums(1, *args)
     assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
-    index.complete_store(1, keys, [True, True], [5, 6])
+    commit_by_slots(index, 1, plan.slots, [[None, 5], [None, 6]])
     assert index.checksums(1, keys) == [(None, 5), (None, 6)] and index.unhashed == 2
 
 
-@pytest.mark.parametrize(("flags", "lists"), [
-    ([True, False], [[None, 1], None]),  # a failed store
-    ([True, True], [[None, 1], [7, 2]]),  # an xxh3 taken
-    ([True, True], [[None, 1], [None, None, 2, 3]]),  # two rank counts
-    ([True, True], [[None, 1], [None, None]]),  # a row sum missing: the daemon refuses it
-    ([True], [[5]]),  # an xxh3 only
-    ([True], [[]]),
-    ([True, True], [[None, None, 5, 6]]),  # fewer lists than keys: the daemon refuses it
-    ([True], [[None, 5], [None, 6]])])  # more
-def test_any_other_commit_is_sent_a_list_a_key(flags: list, lists: list) -> None:
-    assert protocol.commit_sums(flags, lists) == lists
+def test_a_commit_by_slots_names_a_block_only_in_the_slot_it_holds() -> None:
+    """The index keeps the key last placed in each slot; a commit by a slot its key no longer
+    holds (a stale one: that key is stored again elsewhere) is skipped, and a block removed
+    while being stored frees its slot at its commit, as a commit by keys does."""
+    index = make(num_slots=4)
+    stale, other = A.keys([b"s0", b"s1"])
+    first = index.prepare_store(1, [stale, other])
+    index.complete_store(1, [stale, other], [False, False], [None, None])  # both slots free
+    again = index.prepare_store(1, [stale])
+    assert again.slots != first.slots[:1]
+    commit_by_slots(index, 1, first.slots[:1], [[None, 9]])  # where `stale` was: skipped
+    assert index.index.is_being_stored(stale) and index.checksums(1, [stale]) == [None]
+    commit_by_slots(index, 1, again.slots, [[None, 9]])
+    assert index.checksums(1, [stale]) == [(None, 9)]
+    removed = A.keys([b"r0"])
+    plan = index.prepare_store(1, removed)
+    index.discard(1, removed)  # being stored: it drains
+    assert index.index.num_draining == 1 and index.index.num_free == 2
+    commit_by_slots(index, 1, plan.slots, [[None, 3]])
+    assert index.index.num_draining == 0 and index.index.num_free == 3
+    assert index.checksums(1, removed) == [None] and index.lookup(1, removed) == 0
 
 
-def test_a_commit_with_the_wrong_number_of_lists_is_refused_as_sent() -> None:
-    """Two keys, one list of two ranks' row sums: not the flat form of two keys (the same four
-    values would read as one rank each)."""
+@pytest.mark.parametrize(("slots", "lists"), [
+    ([0, 1], [[None, 1], None]),  # a failed store
+    ([0, 1], [[None, 1], [7, 2]]),  # an xxh3 taken
+    ([0, 1], [[None, 1], [None, None, 2, 3]]),  # two rank counts
+    ([0, 1], [[None, 1], [None, None]]),  # a row sum missing: the daemon refuses it
+    ([0], [[5]]),  # an xxh3 only
+    ([0], [[]]),
+    ([0], [[None, -1]]),  # not a uint64
+    ([0], [[None, 1 << 64]]),
+    ([0], [[None, True]]),
+    ([0], [[None, 1.0]]),
+    ([0, 1], [[None, None, 1, 2], [None, None, 3, "4"]]),
+    ([0, 1], [[None, None, 5, 6]]),  # fewer lists than slots
+    ([0], [[None, 5], [None, 6]]),  # more
+    ([1 << 32], [[None, 5]])])  # a slot past a uint32
+def test_any_other_commit_goes_by_keys(slots: list, lists: list) -> None:
+    assert protocol.pack_row_sums_commit(slots, lists) is None
+
+
+def test_a_commit_with_the_wrong_number_of_lists_is_refused() -> None:
     index = make()
     keys = A.keys([b"w0", b"w1"])
     index.prepare_store(1, keys)
     for lists in ([[None, None, 5, 6]], [[None, 5], [None, 6], [None, 7]]):
         with pytest.raises(ValueError, match="one ok flag and one checksum list per key"):
-            index.complete_store(1, keys, [True, True], protocol.commit_sums([True, True], lists))
+            index.complete_store(1, keys, [True, True], lists)
     with pytest.raises(ValueError, match="one ok flag and one checksum list per key"):
         index.complete_store(1, [], [], [5])
     assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
@@ -301,6 +344,8 @@ def test_foreign_keys_and_oversized_blocks_are_refused() -> None:
     index = make()
     with pytest.raises(ValueError, match="not of a namespace this client declared"):
         index.lookup(1, B.keys([b"f"]))
+    with pytest.raises(ValueError, match="a key: 17 to 256 bytes"):
+        index.lookup(1, [A.digest + b"k" * 241])
     with pytest.raises(ValueError, match="--slot-bytes 5000 or more"):
         index.open(4, [A.digest], 5000)
     with pytest.raises(ValueError, match="namespace digests"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,7 @@ class SharedIndex:
         self._stats = IndexStats()
         self._since = -1  # the daemon's change log: the next number to read (-1: all)
         self._since_epoch = 0  # the connection `_since` belongs to
+        self._placed: dict[bytes, int] = {}  # this lease's keys being stored -> their slots
         self._connect(raise_errors=True)
 
     # ---- connection ------------------------------------------------------------------------
@@ -164,6 +166,7 @@ class SharedIndex:
         if self._client is not None:
             self._client.close()  # the daemon drops this lease: our stores fail, pins go
             self._client = None
+        self._placed.clear()
 
     def _call(self, verb: str, *args: Any, default: Any) -> Any:
         for _ in range(2):  # a broken connection is found by using it: then one fresh try
@@ -224,6 +227,7 @@ class SharedIndex:
                  for fields in answer]
         for fields in answer:
             self.evicted_sums.update(zip(fields[3], fields[5], strict=True))
+            self._placed.update(zip(fields[0], fields[1], strict=True))
         self._stats.evictions += sum(len(plan.evicted) for plan in plans)
         return plans
 
@@ -235,9 +239,16 @@ class SharedIndex:
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
         self._stats.stores += sum(flags)
         self._stats.failed_stores += len(flags) - sum(flags)
-        if keys:
-            sums = [None] * len(keys) if sums is None else p.commit_sums(flags, sums)
-            self._notice(p.COMPLETE_STORE, list(keys), flags, sums)
+        slots = list(map(self._placed.pop, keys, repeat(None)))  # no longer being stored
+        if not keys:
+            return
+        if sums is not None and all(flags) and None not in slots:
+            by_slots = p.pack_row_sums_commit(slots, sums)  # type: ignore[arg-type]
+            if by_slots is not None:  # a GPU writer's usual commit
+                self._notice(p.COMMIT_ROW_SUMS, *by_slots)
+                return
+        self._notice(p.COMPLETE_STORE, list(keys), flags,
+                     [None] * len(keys) if sums is None else list(sums))
 
     def add_sums(self, keys: Sequence[bytes], sums: Sequence[Sequence[int | None]],
                  slots: Sequence[int]) -> list[bool]:

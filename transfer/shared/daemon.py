@@ -550,6 +550,8 @@ class PoolDaemon:
     def _notice(self, client: int, verb: str, args: tuple[Any, ...]) -> None:
         if verb == p.COMPLETE_STORE:
             self.index.complete_store(client, args[0], args[1], args[2])
+        elif verb == p.COMMIT_ROW_SUMS:
+            self.index.commit_row_sums(client, args[0], args[1], args[2])
         elif verb == p.COMPLETE_LOAD:
             self.index.complete_load(client, args[0])
         elif verb == p.DISCARD:

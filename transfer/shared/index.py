@@ -51,9 +51,14 @@ from itertools import compress, islice, repeat
 from operator import itemgetter, not_
 
 from transfer.block_index import BlockIndex, StorePlan
-from transfer.checksums import all_uint64
 from transfer.keys import DIGEST_BYTES
-from transfer.shared.protocol import MAX_BLOCK_SUMS, MAX_KEY_BYTES, brief, row_sums_only_commit
+from transfer.shared.protocol import (
+    MAX_BLOCK_SUMS,
+    MAX_KEY_BYTES,
+    brief,
+    read_row_sums_commit,
+    row_sums_only_commit,
+)
 
 MAX_NAMESPACES = 64  # per lease: an engine declares one (a test harness a few)
 MAX_PINS = 1 << 20  # per lease (a load pins each of its keys once): far above any engine's
@@ -156,6 +161,8 @@ class SharedBlockIndex:
         self._sums: dict[bytes, Sums] = _TrackedDict()  # stored keys -> checksums at commit
         # stored keys committed with row sums only -> (the committing client, their slot)
         self._unhashed: dict[bytes, tuple[int, int]] = _TrackedDict()
+        # slot -> the key last placed in it (a commit by slots names keys so; checked there)
+        self._key_at: list[bytes | None] = [None] * num_slots
         self._orphans: set[bytes] = set()  # of those, the ones nobody is going to hash
         # the last request's victims of the requester's namespaces, hashed: their checksums
         self.evicted_sums: dict[bytes, Sums] = {}
@@ -288,6 +295,9 @@ class SharedBlockIndex:
             self.evicted_sums[key] = sums
             self._evicted_count += len(sums)
         lease.storing.update(plan.keys)
+        key_at = self._key_at
+        for slot, key in zip(plan.slots, plan.keys, strict=True):
+            key_at[slot] = key
         if not hash_later:
             lease.unasked.update(plan.keys)
         return plan
@@ -326,19 +336,12 @@ class SharedBlockIndex:
         checksum: ValueError, nothing changes); keys the client is not storing are ignored."""
         lease = self.leases[client]
         keys = self._own(client, keys, unique=True)
-        all_ok = isinstance(flags, list | tuple) and flags.count(True) == len(flags) and \
-            set(map(type, flags)) == {bool}
-        flat = bool(keys) and isinstance(sums, list | tuple) and bool(sums) and type(sums[0]) is int
-        if flat:  # a GPU writer's commit by row sums: one flat run of them (protocol.py)
-            if not all_ok or len(flags) != len(keys):
-                raise ValueError(f"a commit by row sums stores every key ok: {len(keys)} keys, "
-                                 f"flags {brief(flags)}")
-            sums = _row_sums_of(keys, sums)
         if not isinstance(flags, list | tuple) or not isinstance(sums, list | tuple) \
                 or not len(flags) == len(sums) == len(keys):
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
-        row_sums_only = flat or all_ok and row_sums_only_commit(sums)
+        all_ok = flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
+        row_sums_only = all_ok and row_sums_only_commit(sums)
         if not row_sums_only:
             for key, ok, block_sums in zip(keys, flags, sums, strict=True):
                 if ok is True:
@@ -346,25 +349,52 @@ class SharedBlockIndex:
                 elif ok is not False:
                     raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
         storing = lease.storing
-        if storing.issuperset(keys):  # the usual commit: every key still being stored here
-            held_keys, held_flags, held_sums = keys, flags, sums
+        if storing.issuperset(keys):  # every key still being stored here
+            self._commit(client, keys, flags, sums, row_sums_only)
         else:
             held = [i for i, key in enumerate(keys) if key in storing]
-            held_keys = [keys[i] for i in held]
-            held_flags, held_sums = [flags[i] for i in held], [sums[i] for i in held]
-        slots = self.index.commit_checked(held_keys, held_flags)
-        storing.difference_update(held_keys)
+            self._commit(client, [keys[i] for i in held], [flags[i] for i in held],
+                         [sums[i] for i in held], row_sums_only)
+
+    def commit_row_sums(self, client: int, slots: object, row_sums: object,
+                        ranks: object) -> None:
+        """A GPU writer's usual commit by the slots its plan gave (protocol.COMMIT_ROW_SUMS):
+        every block stored ok, each by its `ranks` row sums only. Checked whole first (ValueError,
+        nothing changes); a slot that holds no block this client is storing there is ignored,
+        as complete_store ignores a key it is not storing. No key and no int a block to unpack
+        or check: the daemon applies every engine's commits on one thread."""
+        lease = self.leases[client]
+        at, rows, ranks = read_row_sums_commit(slots, row_sums, ranks, self.index.num_slots)
+        keys = list(map(self._key_at.__getitem__, at))  # the key last placed in each slot
+        nils = (None,) * ranks
+        sums = list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
+        if lease.storing.issuperset(keys) and self.index.slots_held(keys) == list(at):
+            self._commit(client, keys, [True] * len(keys), sums, True)  # the usual commit
+            return
+        held = [i for i, (key, slot, held_slot) in enumerate(
+            zip(keys, at, self.index.slots_held(keys), strict=True))
+            if key in lease.storing and held_slot == slot]
+        self._commit(client, [keys[i] for i in held], [True] * len(held),
+                     [sums[i] for i in held], True)
+
+    def _commit(self, client: int, keys: list[bytes], flags: Sequence[bool],
+                sums: Sequence[Sequence[int | None]], row_sums_only: bool) -> None:
+        """Apply a checked commit of keys this client is storing (`row_sums_only`: every key ok,
+        each by row sums only)."""
+        lease = self.leases[client]
+        slots = self.index.commit_checked(keys, flags)
+        lease.storing.difference_update(keys)
         all_sums, unhashed = self._sums, self._unhashed
         if row_sums_only and None not in slots:  # a GPU writer's usual commit, in bulk
-            all_sums.update(zip(held_keys, map(tuple, held_sums), strict=True))
-            unhashed.update(zip(held_keys, zip(repeat(client), slots), strict=True))
-            committed, by_row_sums = [], held_keys
+            all_sums.update(zip(keys, map(tuple, sums), strict=True))
+            unhashed.update(zip(keys, zip(repeat(client), slots), strict=True))
+            committed, by_row_sums = [], keys
         else:
             committed, by_row_sums = [], []
-            for key, block_sums, slot in zip(held_keys, held_sums, slots, strict=True):
+            for key, block_sums, slot in zip(keys, sums, slots, strict=True):
                 if slot is None:  # failed, or removed while it was being stored
                     continue
-                all_sums[key] = tuple(block_sums)
+                all_sums[key] = tuple(block_sums)  # type: ignore[arg-type]
                 if block_sums[0] is None:  # readable to xxh3 readers once hashed
                     unhashed[key] = (client, slot)
                     by_row_sums.append(key)
@@ -372,7 +402,7 @@ class SharedBlockIndex:
                     committed.append(key)
         if lease.unasked:  # committed by row sums under a plan that asked no xxh3s: orphans
             self._orphans.update(filter(lease.unasked.__contains__, by_row_sums))
-            lease.unasked.difference_update(held_keys)
+            lease.unasked.difference_update(keys)
         self.log.add(STORED, committed)
         self.log.add(ROW_SUMS_STORED, by_row_sums)
 
@@ -541,21 +571,6 @@ def _check_sums(key: bytes, sums: object, unhashed: bool = False) -> None:
     for value in values:
         if type(value) is not int or not 0 <= value < _UINT64_END:  # an exact int: not a bool
             raise ValueError(f"{_unsummed(key)}: {brief(value)} is not a uint64")
-
-
-def _row_sums_of(keys: Sequence[bytes], sums: Sequence[object]) -> list[Sums]:
-    """A commit by row sums only sent flat (ranks row sums a key, key by key:
-    protocol.COMPLETE_STORE) as each key's checksums, its xxh3s nil; ValueError naming what is
-    wrong."""
-    ranks, rest = divmod(len(sums), len(keys))
-    if rest or not 0 < ranks <= MAX_BLOCK_SUMS // 2:
-        raise ValueError(f"a commit by row sums sends 1 to {MAX_BLOCK_SUMS // 2} a key: "
-                         f"{len(sums)} for {len(keys)} keys")
-    if not all_uint64(sums):
-        bad = next(v for v in sums if type(v) is not int or not 0 <= v < _UINT64_END)
-        raise ValueError(f"a commit by row sums: {brief(bad)} is not a uint64")
-    nils = (None,) * ranks
-    return list(map(nils.__add__, zip(*[iter(sums)] * ranks, strict=True)))  # each key's, in C
 
 
 def _unsummed(key: bytes) -> str:

@@ -21,8 +21,10 @@ import os
 import re
 import socket
 import struct
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +50,18 @@ ADD_SUMS = "add_sums"  # (keys, per key its xxh3s then its committed row sums (n
 #                        (blocks this client committed with row sums only)
 READS = "reads"  # notice (by row sums, needs xxh3s): how this client checks its loads, and
 #                  whether it needs blocks' xxh3s (it reads by xxh3, or keeps blocks below)
-COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums;
-#                                    or, every key ok and committed by row sums only, their
-#                                    row sums flat, each key's ranks in turn: commit_sums)
+COMPLETE_STORE = "complete_store"  # notice (keys, ok flags, per key its checksums: block_sums)
+COMMIT_ROW_SUMS = "commit_row_sums"  # notice (slots, row sums, ranks): a GPU writer's usual
+#                                      commit, by the slots its plan gave (pack_row_sums_commit)
 COMPLETE_LOAD = "complete_load"  # notice (keys)
 DISCARD = "discard"  # notice (keys): drop the ones held
 CLEAR = "clear"  # notice (): drop every key of this client's namespaces
 REQUESTS = (HELLO, LOOKUP, PREPARE_STORES, PREPARE_LOAD, CHECKSUMS, STATS, CHANGES, ADD_SUMS)
-NOTICES = (COMPLETE_STORE, COMPLETE_LOAD, DISCARD, CLEAR, READS)
+NOTICES = (COMPLETE_STORE, COMMIT_ROW_SUMS, COMPLETE_LOAD, DISCARD, CLEAR, READS)
 
 ARGUMENTS = {HELLO: 2, LOOKUP: 1, PREPARE_STORES: 1, PREPARE_LOAD: 1, CHECKSUMS: 1, STATS: 0,
              CHANGES: 1, ADD_SUMS: 3,
-             COMPLETE_STORE: 3, COMPLETE_LOAD: 1, DISCARD: 1, CLEAR: 0,
+             COMPLETE_STORE: 3, COMMIT_ROW_SUMS: 3, COMPLETE_LOAD: 1, DISCARD: 1, CLEAR: 0,
              READS: 2}  # each verb's count
 
 MAX_MESSAGE_BYTES = 64 << 20  # the largest answer a client reads
@@ -123,7 +125,7 @@ def read_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES
     try:
         message = msgpack.unpackb(
             frame, use_list=False, raw=False, object_hook=_no_map,
-            ext_hook=_no_extension, max_str_len=MAX_VERB_CHARS, max_bin_len=MAX_KEY_BYTES,
+            ext_hook=_no_extension, max_str_len=MAX_VERB_CHARS, max_bin_len=max_bytes,
             max_array_len=MAX_ARRAY_ITEMS, max_map_len=0, max_ext_len=0)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:  # StackError: > 1024 deep
         raise ValueError(f"not a request: {clip(str(exc) or type(exc).__name__)}") from None
@@ -139,39 +141,78 @@ def read_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES
     return verb, args
 
 
-def commit_sums(flags: Sequence[bool], sums: Sequence[Sequence[int | None] | None]
-                ) -> list[Any]:
-    """A commit's checksums as COMPLETE_STORE sends them. A GPU writer's usual commit (every
-    key ok, each with nil xxh3s then as many row sums, all keys with the same ranks) goes as
-    its row sums alone, flat (key by key, each key's ranks in turn): no array a key for the
-    daemon, which applies every engine's commits on one thread, to unpack and check (a commit
-    takes it 0.79-0.97 of the time: docs/pool.md). Any other goes as given, one list a key."""
-    sums = list(sums)
-    if len(sums) != len(flags) or not all(flags) or not row_sums_only_commit(sums):
-        return sums  # as given: one list a key (the daemon names what is wrong)
-    ranks = len(sums[0]) // 2
-    return [value for block in sums for value in block[ranks:]]
+def pack_row_sums_commit(slots: Sequence[int], sums: Sequence[Sequence[int | None] | None]
+                         ) -> list[Any] | None:
+    """COMMIT_ROW_SUMS's arguments for a GPU writer's usual commit (every block ok, each with nil
+    xxh3s then as many row sums, all with the same ranks) of blocks placed in `slots`: the
+    slots as little-endian uint32s, the row sums as little-endian uint64s (slot by slot, each
+    slot's ranks in turn), the ranks. The daemon, which applies every engine's commits on one
+    thread, then neither unpacks nor checks a key or an int a block (docs/pool.md). None for any
+    other commit: it goes as COMPLETE_STORE, a list a key."""
+    columns = _row_sum_columns(sums) if len(slots) == len(sums) else None
+    if columns is None:
+        return None
+    ranks = len(columns)
+    rows = columns[0] if ranks == 1 else list(chain.from_iterable(zip(*columns, strict=True)))
+    if set(map(type, rows)) != {int}:  # struct.pack would take a bool as 1
+        return None
+    try:
+        return [struct.pack(f"<{len(slots)}I", *slots), struct.pack(f"<{len(rows)}Q", *rows),
+                ranks]
+    except struct.error:  # a value past a uint64, a slot past a uint32: a list a key
+        return None
+
+
+def read_row_sums_commit(slots: object, row_sums: object, ranks: object, num_slots: int
+                         ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """COMMIT_ROW_SUMS's arguments as (slots, row sums, ranks), checked whole: ValueError naming
+    what is wrong (a slot past the pool's `num_slots` or named twice, row sums that are not
+    `ranks` uint64s a slot)."""
+    if type(ranks) is not int or not 0 < ranks <= MAX_BLOCK_SUMS // 2:
+        raise ValueError(f"a commit by row sums has 1 to {MAX_BLOCK_SUMS // 2} ranks a block, "
+                         f"got {brief(ranks)}")
+    if type(slots) is not bytes or not slots or len(slots) % 4:
+        raise ValueError(f"a commit by row sums names its slots as uint32s, got {brief(slots)}")
+    count = len(slots) // 4
+    if type(row_sums) is not bytes or len(row_sums) != 8 * ranks * count:
+        raise ValueError(f"a commit by row sums of {count} slots at {ranks} ranks sends "
+                         f"{8 * ranks * count} B of row sums, got {brief(row_sums)}")
+    at = struct.unpack(f"<{count}I", slots)
+    if max(at) >= num_slots:
+        raise ValueError(f"slot {max(at)} is not one of the pool's {num_slots}")
+    if len(set(at)) != count:
+        twice = next(slot for slot, times in Counter(at).items() if times > 1)
+        raise ValueError(f"slot {twice} is named twice in one commit")
+    return at, struct.unpack(f"<{count * ranks}Q", row_sums), ranks
 
 
 def row_sums_only_commit(sums: Sequence[object]) -> bool:
     """Whether every list of a commit is a valid commit by row sums only with the same number
     of ranks (a GPU writer's): checked a column at a time, in C. False says nothing about
     validity: the daemon checks each list then (transfer/shared/index.py `_check_sums`)."""
+    columns = _row_sum_columns(sums)
+    return columns is not None and all(map(all_uint64, columns))
+
+
+def _row_sum_columns(sums: Sequence[object]) -> list[tuple[object, ...]] | None:
+    """Each rank's row sums across a commit's lists, where every list is nil xxh3s then as many
+    values, all with the same ranks; else None (the values themselves unchecked)."""
     if not sums or not set(map(type, sums)) <= {list, tuple}:
-        return False
-    lengths = set(map(len, sums))
+        return None
+    lengths = set(map(len, sums))  # type: ignore[arg-type]
     if len(lengths) != 1:
-        return False
+        return None
     (length,) = lengths
     if length % 2 or not 0 < length <= MAX_BLOCK_SUMS:
-        return False
-    columns = list(zip(*sums, strict=True))
+        return None
+    columns = list(zip(*sums, strict=True))  # type: ignore[call-overload]
     ranks = length // 2
     try:
-        return all(set(column) == {None} for column in columns[:ranks]) and \
-            all(map(all_uint64, columns[ranks:]))
+        if not all(set(column) == {None} for column in columns[:ranks]):
+            return None
     except TypeError:  # an unhashable value where a nil belongs: the per-key check names it
-        return False
+        return None
+    return columns[ranks:]
 
 
 def _check_depth(message: tuple[Any, ...]) -> None:
