@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
+from pool_attackers import wait_for
 
 from kvconnector.cli import main as cli_main
 from kvconnector.layout.allocator import SHM_DIR
@@ -196,6 +197,28 @@ def test_a_commit_by_slots_reaches_the_daemon_and_a_bad_one_drops_its_client(
     assert index.lookup_prefix(keys + others) == 3
     stats = index._client.request(protocol.STATS)  # type: ignore[union-attr]
     assert (stats["clients"], stats["stored"], stats["storing"]) == (1, 3, 0)
+    assert index._placed == {}  # every store completed: no slot left to commit
+    index.close()
+
+
+def test_a_late_completion_after_close_commits_nothing_of_the_next_lease(
+        pool: PoolProcess) -> None:
+    """Closing the index ends its lease and forgets the slots its stores were given: a
+    completion that comes after, of a store of the old lease, must not commit (by that slot)
+    the block the next lease placed there."""
+    index = SharedIndex(pool.name, NS, 100, retry_s=0.0, row_sum_reader=True, needs_xxh3=False)
+    old, new = NS.keys([b"old"]), NS.keys([b"new"])
+    first = index.prepare_store(old)
+    index.close()
+    watcher = PoolClient(pool.name, [NS], 100)
+    wait_for(lambda: watcher.request(protocol.STATS)["clients"] == 1, "the closed lease to go")
+    watcher.close()
+    second = index.prepare_store(new)  # a new lease
+    assert second.slots == first.slots  # the freed slot, handed out again
+    index.complete_store(old, True, [[None, 7]])
+    assert index.lookup_prefix(new) == 0 and index.checksums(new) == [None]
+    index.complete_store(new, True, [[None, 8]])
+    assert index.lookup_prefix(new) == 1 and index.checksums(new) == [[None, 8]]
     index.close()
 
 

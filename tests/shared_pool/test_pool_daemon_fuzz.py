@@ -211,9 +211,11 @@ class Worker:
         elif move == 7:
             client.notify(rng.choice([protocol.DISCARD, protocol.CLEAR]),
                           *([keys] if rng.random() < 0.5 else []))
-        elif move == 8:  # a commit by slots: its own, others', free ones, past the pool
+        elif move == 8:  # a commit by slots: its own; or with others', free ones, past the pool
             slots = client.request(protocol.PREPARE_STORES, [keys])[0][1]
-            slots += [rng.randrange(1 << 12) for _ in range(rng.randint(0, 3))]
+            if rng.random() < 0.5:
+                slots += [rng.randrange(rng.choice([1 << 8, 1 << 12, 1 << 32]))
+                          for _ in range(rng.randint(1, 3))]
             ranks = rng.choice([1, 2])
             client.notify(protocol.COMMIT_ROW_SUMS, struct.pack(f"<{len(slots)}I", *slots),
                           rng.randbytes(8 * ranks * len(slots)), ranks)

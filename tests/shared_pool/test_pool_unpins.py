@@ -113,6 +113,9 @@ def test_a_malformed_unpin_drops_its_client_alone_with_its_pins(daemon: PoolDaem
     assert daemon.stats()["pinned"] == 5
     with pytest.raises(ValueError, match="an array of 1 items"):  # not keys: never queued,
         other.send(p.COMPLETE_LOAD, [[1]] * (UNPIN_SLICE + 1))  # refused whole (the loop drops it)
+    oversized = [NS.key(i) + b"k" * p.MAX_KEY_BYTES for i in range(UNPIN_SLICE + 1)]
+    with pytest.raises(ValueError, match="a key: 17 to 256 bytes"):  # never queued either
+        other.send(p.COMPLETE_LOAD, oversized)
     assert other.pins() == {k: 1 for k in keys[:5]} and daemon.stats()["unpins_queued"] == 0
 
 

@@ -235,7 +235,7 @@ def commit_by_slots(index: SharedBlockIndex, client: int, slots: list[int],
     index.commit_row_sums(client, *packed)
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("ranks", [1, 3, 64])
 def test_a_commit_by_slots_is_the_same_commit_by_keys(ranks: int) -> None:
     """A GPU writer's usual commit names the slots its plan gave and sends its row sums as
     bytes; the index keeps, answers and logs it as the same commit sent a key and a list a
@@ -284,6 +284,16 @@ def test_a_bad_commit_by_slots_changes_nothing(args: tuple, why: str) -> None:
     assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
     commit_by_slots(index, 1, plan.slots, [[None, 5], [None, 6]])
     assert index.checksums(1, keys) == [(None, 5), (None, 6)] and index.unhashed == 2
+
+
+def test_a_commit_naming_only_another_clients_slots_changes_nothing() -> None:
+    index = make()
+    theirs = index.prepare_store(2, B.keys([b"o0", b"o1"]))
+    commit_by_slots(index, 1, theirs.slots, [[None, 1], [None, 2]])
+    assert all(map(index.index.is_being_stored, theirs.keys)) and index.unhashed == 0
+    assert index.checksums(2, theirs.keys) == [None, None] and index.index.stats.stores == 0
+    commit_by_slots(index, 2, theirs.slots, [[None, 1], [None, 2]])
+    assert index.checksums(2, theirs.keys) == [(None, 1), (None, 2)]
 
 
 def test_a_commit_by_slots_names_a_block_only_in_the_slot_it_holds() -> None:

@@ -163,10 +163,7 @@ class SharedIndex:
 
     def _lost(self) -> None:
         self.failures += 1
-        if self._client is not None:
-            self._client.close()  # the daemon drops this lease: our stores fail, pins go
-            self._client = None
-        self._placed.clear()
+        self._drop_lease()
 
     def _call(self, verb: str, *args: Any, default: Any) -> Any:
         for _ in range(2):  # a broken connection is found by using it: then one fresh try
@@ -242,7 +239,8 @@ class SharedIndex:
         slots = list(map(self._placed.pop, keys, repeat(None)))  # no longer being stored
         if not keys:
             return
-        if sums is not None and all(flags) and None not in slots:
+        if sums is not None and flags.count(True) == len(flags) and \
+                set(map(type, flags)) == {bool} and None not in slots:
             by_slots = p.pack_row_sums_commit(slots, sums)  # type: ignore[arg-type]
             if by_slots is not None:  # a GPU writer's usual commit
                 self._notice(p.COMMIT_ROW_SUMS, *by_slots)
@@ -319,9 +317,15 @@ class SharedIndex:
         return IndexStats(**vars(self._stats))
 
     def close(self) -> None:
+        self._drop_lease()
+
+    def _drop_lease(self) -> None:
+        """Close the connection: the daemon drops its lease (our stores fail, our pins go), and
+        the slots our stores were given are no longer ours to commit."""
         if self._client is not None:
             self._client.close()
             self._client = None
+        self._placed.clear()
 
 
 def _check_reads(row_sum_reader: bool, needs_xxh3: bool) -> None:

@@ -468,7 +468,7 @@ class PoolDaemon:
     def _queue_unpin(self, client: _Client, keys: list[Any] | tuple[Any, ...]) -> None:
         # Only keys are held (a non-bytes value could be a large array), and only a notice of
         # more than a slice: at most MAX_QUEUED_UNPINS / UNPIN_SLICE entries wait.
-        if set(map(type, keys)) != {bytes} or \
+        if set(map(type, keys)) != {bytes} or max(map(len, keys)) > p.MAX_KEY_BYTES or \
                 len(unique := list(dict.fromkeys(keys))) <= UNPIN_SLICE:
             self._notice(client.id, p.COMPLETE_LOAD, (keys,))  # a bad one drops the client
             return

@@ -368,12 +368,12 @@ class SharedBlockIndex:
         keys = list(map(self._key_at.__getitem__, at))  # the key last placed in each slot
         nils = (None,) * ranks
         sums = list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
-        if lease.storing.issuperset(keys) and self.index.slots_held(keys) == list(at):
+        holds = self.index.slots_held(keys)
+        if lease.storing.issuperset(keys) and holds == list(at):
             self._commit(client, keys, [True] * len(keys), sums, True)  # the usual commit
             return
-        held = [i for i, (key, slot, held_slot) in enumerate(
-            zip(keys, at, self.index.slots_held(keys), strict=True))
-            if key in lease.storing and held_slot == slot]
+        held = [i for i, (key, slot, held_slot) in enumerate(zip(keys, at, holds, strict=True))
+                if key in lease.storing and held_slot == slot]
         self._commit(client, [keys[i] for i in held], [True] * len(held),
                      [sums[i] for i in held], True)
 
