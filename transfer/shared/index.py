@@ -14,9 +14,10 @@ slots a load pins, so every reader checks its part before the load is reported. 
 daemon never hashes (its loop would cap commits near one core's hash rate).
 
 A GPU writer commits as soon as its copy is done, with its row sums only (the xxh3s nil: the
-GPU took the row sums on the way, host hashing would hold the commit), and attaches the xxh3s
-later (`add_sums`), hashed from the slot once its row sums matched the commit again. Until then
-the block is readable only to a lease that checks by row sums (`reads`): to any other it is a
+GPU took the row sums on the way, host hashing would hold the commit; sent by the slots its plan
+gave, `commit_row_sums`, so the daemon reads no key a block), and attaches the xxh3s later
+(`add_sums`), hashed from the slot once its row sums matched the commit again. Until then the
+block is readable only to a lease that checks by row sums (`reads`): to any other it is a
 miss (`lookup`), and a load of it pins nothing (`prepare_load`). The index keeps, per block not
 yet hashed, the lease that committed it and its slot: `add_sums` attaches (or, nil, drops) only
 where the key is still not hashed, was committed by the same lease, in the slot named, with the
