@@ -239,8 +239,7 @@ class SharedIndex:
         slots = list(map(self._placed.pop, keys, repeat(None)))  # no longer being stored
         if not keys:
             return
-        if sums is not None and flags.count(True) == len(flags) and \
-                set(map(type, flags)) == {bool} and None not in slots:
+        if sums is not None and p.every_stored(flags) and None not in slots:
             by_slots = p.pack_row_sums_commit(slots, sums)  # type: ignore[arg-type]
             if by_slots is not None:  # a GPU writer's usual commit
                 self._notice(p.COMMIT_ROW_SUMS, *by_slots)

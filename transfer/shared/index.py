@@ -57,6 +57,7 @@ from transfer.shared.protocol import (
     MAX_BLOCK_SUMS,
     MAX_KEY_BYTES,
     brief,
+    every_stored,
     read_row_sums_commit,
     row_sums_only_commit,
 )
@@ -341,8 +342,7 @@ class SharedBlockIndex:
                 or not len(flags) == len(sums) == len(keys):
             raise ValueError(f"a commit needs one ok flag and one checksum list per key: "
                              f"{len(keys)} keys, flags {brief(flags)}, checksums {brief(sums)}")
-        all_ok = flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
-        row_sums_only = all_ok and row_sums_only_commit(sums)
+        row_sums_only = every_stored(flags) and row_sums_only_commit(sums)
         if not row_sums_only:
             for key, ok, block_sums in zip(keys, flags, sums, strict=True):
                 if ok is True:

@@ -186,6 +186,11 @@ def read_row_sums_commit(slots: object, row_sums: object, ranks: object, num_slo
     return at, struct.unpack(f"<{count * ranks}Q", row_sums), ranks
 
 
+def every_stored(flags: Sequence[object]) -> bool:
+    """Whether every ok flag of a commit says stored: each the bool True (a 1 is no flag)."""
+    return flags.count(True) == len(flags) and set(map(type, flags)) == {bool}
+
+
 def row_sums_only_commit(sums: Sequence[object]) -> bool:
     """Whether every list of a commit is a valid commit by row sums only with the same number
     of ranks (a GPU writer's): checked a column at a time, in C. False says nothing about
