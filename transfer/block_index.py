@@ -189,16 +189,22 @@ class BlockIndex:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of `keys` stored now; a key being stored ends it."""
+        return len(self.prefix_slots(keys))
+
+    def prefix_slots(self, keys: Sequence[bytes]) -> list[int]:
+        """`lookup_prefix`, as the slots of that prefix (the shared pool's index reads its
+        blocks' state by slot)."""
         keys = self._checked_keys(keys, unique=False)
         slots, storing = self._slots, self._storing
-        length = 0
+        found = []
         for key in keys:
-            if key not in slots or key in storing:
+            slot = slots.get(key)
+            if slot is None or key in storing:
                 break
-            length += 1
-        self._stats.hits += length
-        self._stats.misses += len(keys) - length
-        return length
+            found.append(slot)
+        self._stats.hits += len(found)
+        self._stats.misses += len(keys) - len(found)
+        return found
 
     # ---- two-phase verbs -----------------------------------------------------------------
 
@@ -269,11 +275,14 @@ class BlockIndex:
             raise ValueError(f"ok flags must be bool, got {bad!r}")
         return self.commit_checked(keys, flags)
 
-    def commit_checked(self, keys: Sequence[bytes], flags: Sequence[bool]) -> list[int | None]:
+    def commit_checked(self, keys: Sequence[bytes], flags: Sequence[bool],
+                       slots: Sequence[int] | None = None) -> list[int | None]:
         """`complete_store` of keys and flags its caller has checked as `complete_store` does
         (well-formed keys, each named once; one bool per key): the shared pool's index checks
         every commit whole before it calls this, and a GPU writer's commits are the daemon's
-        busiest request."""
+        busiest request. `slots`: the slot each key holds, from the caller's own records (the
+        shared pool's index keeps a block's state by slot), which saves a lookup a key in a
+        map of every stored key (a cache miss each while copies stream through the host)."""
         # Checked whole before anything changes; a commit of keys all stored ok and none
         # draining (the usual one) is then applied in passes in C. A key being stored is never
         # pinned (a load waits for its commit): each one stored ok is idle now.
@@ -286,7 +295,8 @@ class BlockIndex:
         storing.difference_update(keys)
         if stores == len(keys) and (not draining or draining.keys().isdisjoint(keys)):
             self._num_idle += stores
-            readable: list[int | None] = list(map(self._slots.__getitem__, keys))
+            readable: list[int | None] = list(map(self._slots.__getitem__, keys)) \
+                if slots is None else list(slots)
         else:
             readable = []
             for key, stored in zip(keys, flags, strict=True):

@@ -237,6 +237,32 @@ def test_being_stored_keys_are_not_readable_and_end_the_prefix() -> None:
     assert index.prepare_load(keys("A B C")).slots == plan.slots
 
 
+def test_prefix_slots_are_the_stored_prefix_and_count_as_a_lookup() -> None:
+    index = BlockIndex(NS, 4)
+    plan = store(index, "A B C")
+    index.prepare_store(keys("D"))  # being stored: ends a prefix
+    assert index.prefix_slots(keys("A B D C")) == plan.slots[:2]
+    assert index.prefix_slots(keys("C A")) == [plan.slots[2], plan.slots[0]]
+    assert index.prefix_slots(keys("X A")) == []
+    assert (index.stats.hits, index.stats.misses) == (4, 4)
+
+
+def test_a_commit_by_the_callers_slots_takes_them_and_frees_a_draining_keys() -> None:
+    """commit_checked with the slots the caller's own records give (the shared pool's commit
+    by slots): each live key is readable in its slot; a key removed while being stored frees
+    its slot, whatever slot the caller names."""
+    index = BlockIndex(NS, 4)
+    plan = index.prepare_store(keys("A B C"))
+    index.remove(keys("B"))  # drains until its store ends
+    assert index.commit_checked(keys("A B C"), [True] * 3, plan.slots) == \
+        [plan.slots[0], None, plan.slots[2]]
+    assert (index.num_free, index.num_draining, index.stats.stores) == (2, 0, 3)
+    assert index.prefix_slots(keys("A C")) == [plan.slots[0], plan.slots[2]]
+    other = index.prepare_store(keys("D E"))
+    assert index.commit_checked(keys("D E"), [True, True], other.slots) == other.slots
+    assert index.prefix_slots(keys("D E")) == other.slots
+
+
 def test_failed_stores_free_their_slots() -> None:
     index = BlockIndex(NS, 3)
     plan = index.prepare_store(keys("A B C"))

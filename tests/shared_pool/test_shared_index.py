@@ -54,7 +54,7 @@ def test_a_daemons_full_collections_walk_nothing_per_stored_block() -> None:
     """The daemon makes its index, then freezes what lives (`pool serve`) and serves. After
     that, a block stored, loaded and unpinned leaves no object the collector tracks: no entry
     object, and every container of one entry a block (the index's slots and pins, the LRU order,
-    the checksums, the blocks not hashed, the orphans) frozen or untracked. Else a full pass
+    the checksums and keys by slot) frozen or untracked. Else a full pass
     walks one entry a stored block (up to 0.15 s a pass on the development VM)."""
     gc.collect()
     gc.freeze()
@@ -83,11 +83,11 @@ def test_a_daemons_full_collections_walk_nothing_per_stored_block() -> None:
         assert len(gc.get_objects()) - tracked < 20  # not 1000
         young = {id(o) for o in gc.get_objects()}
         inner = index.index
+        # (what it keeps by slot besides: numpy arrays, no object the collector walks)
         containers = {"slots": inner._slots, "pins": inner._pins, "order": inner.policy.order,
-                      "sums": index._sums, "unhashed": index._unhashed,
-                      "orphans": index._orphans, "key_at": index._key_at}
-        assert {name: len(c) >= 1000 for name, c in containers.items()} == \
-            dict.fromkeys(containers, True)
+                      "sums": index._sums_at, "key_at": index._key_at}
+        assert {name: len(c) - list(c).count(None) >= 1000 for name, c in containers.items()} \
+            == dict.fromkeys(containers, True)
         assert [name for name, c in containers.items() if id(c) in young] == []
     finally:
         gc.unfreeze()
@@ -284,6 +284,50 @@ def test_a_bad_commit_by_slots_changes_nothing(args: tuple, why: str) -> None:
     assert all(index.index.is_being_stored(key) for key in keys) and index.unhashed == 0
     commit_by_slots(index, 1, plan.slots, [[None, 5], [None, 6]])
     assert index.checksums(1, keys) == [(None, 5), (None, 6)] and index.unhashed == 2
+
+
+def test_a_slots_state_leaves_with_its_block() -> None:
+    """What the index keeps by slot (the client storing into it and whether its plan asked
+    xxh3s; who is to hash the block stored there, or that nobody will) goes with the block:
+    a block placed in the slot next, evicted, discarded or released, keeps only its own."""
+    index = make(num_slots=2)
+    index.reads(1, row_sums=True, needs_xxh3=False)  # A: nobody needs xxh3s
+    index.reads(2, row_sums=True, needs_xxh3=True)  # B: hashed after their commit
+    first = index.prepare_store(1, A.keys([b"o0", b"o1"]))
+    assert not first.hash_later and index.held()[1]["storing"] == 2
+    commit_by_slots(index, 1, first.slots, [[None, 1], [None, 2]])
+    assert (index.unhashed, index.orphans, index.storing) == (2, 2, 0)
+    second = index.prepare_store(2, B.keys([b"h0", b"h1"]))  # evicts both, takes their slots
+    assert second.hash_later and sorted(second.slots) == sorted(first.slots)
+    assert (index.unhashed, index.orphans) == (0, 0)
+    assert {c: held["storing"] for c, held in index.held().items()} == {1: 0, 2: 2}
+    commit_by_slots(index, 1, second.slots, [[None, 5], [None, 6]])  # not its slots now
+    assert index.storing == 2 and index.checksums(2, second.keys) == [None, None]
+    index.complete_store(2, second.keys[:1], [True], [[7, 3]])  # with its xxh3: hashed
+    commit_by_slots(index, 2, second.slots[1:], [[None, 4]])
+    assert (index.unhashed, index.orphans, index.storing) == (1, 0, 0)
+    index.release(1)  # its blocks are gone: another's in their slots are not orphaned
+    assert (index.unhashed, index.orphans) == (1, 0)
+    assert index.lookup(2, second.keys) == 2
+    index.reads(2, row_sums=False, needs_xxh3=True)
+    assert index.lookup(2, second.keys) == 1 and index.prepare_load(2, second.keys) is None
+    assert index.add_sums(2, second.keys[1:], [[8, 4]], second.slots[1:]) == [True]
+    assert (index.unhashed, index.orphans) == (0, 0) and index.lookup(2, second.keys) == 2
+    seq = index.changes(2, -1)[0]  # the whole list (it changed how it reads), then changes
+    index.discard(2, [second.keys[0]] * 2 + second.keys[1:])  # h0 named twice: one removal
+    assert index.changes(2, seq)[2] == [[False, key] for key in second.keys]
+    third = index.prepare_store(2, B.keys([b"x"]))
+    assert third.slots[0] in second.slots
+    index.complete_store(2, third.keys, [False], [None])  # failed: the slot is free, clean
+    assert index.checksums(2, third.keys) == [None] and index.storing == 0
+    fourth = index.prepare_store(2, B.keys([b"y"]))
+    commit_by_slots(index, 2, fourth.slots, [[None, 9]])
+    assert (index.unhashed, index.orphans) == (1, 0)
+    index.release(2)  # it was to hash y: nobody will now
+    assert (index.unhashed, index.orphans) == (1, 1)
+    index.open(3, [B.digest], 2000)  # needs xxh3s: an orphan it stores is replaced
+    assert index.prepare_store(3, fourth.keys).keys == fourth.keys
+    assert (index.unhashed, index.orphans, index.held()[3]["storing"]) == (0, 0, 1)
 
 
 def test_a_commit_naming_only_another_clients_slots_changes_nothing() -> None:

@@ -569,8 +569,9 @@ class PoolDaemon:
         index = self.index.index
         counters = index.stats
         leases = self.index.leases
-        held = [{"client": client, "pid": self._clients[client].pid, **lease.held()}
-                for client, lease in sorted(leases.items()) if client in self._clients]
+        held = [{"client": client, "pid": self._clients[client].pid, **holds}
+                for client, holds in sorted(self.index.held().items())
+                if client in self._clients]
         return {"name": self.name, "segment": self.info.segment, "num_slots": index.num_slots,
                 "slot_bytes": self.info.slot_bytes, "stored": len(index), "free": index.num_free,
                 "busy_slots": index.num_slots - index.num_reclaimable,
@@ -582,7 +583,7 @@ class PoolDaemon:
                 "unpins_queued": self._queued_unpins,
                 "unhashed": self.index.unhashed, "orphans": self.index.orphans,
                 "pinned": sum(sum(lease.pins.values()) for lease in leases.values()),
-                "storing": sum(len(lease.storing) for lease in leases.values()),
+                "storing": self.index.storing,
                 "leases": held,
                 "stores": counters.stores, "failed_stores": counters.failed_stores,
                 "evictions": counters.evictions, "hits": counters.hits,

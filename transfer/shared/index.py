@@ -45,11 +45,14 @@ changes, ValueError naming the value by a short prefix), a connection holds one 
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import compress, islice, repeat
 from operator import itemgetter, not_
+
+import numpy as np
 
 from transfer.block_index import BlockIndex, StorePlan
 from transfer.keys import DIGEST_BYTES
@@ -72,6 +75,8 @@ MAX_ANSWER_CHANGES = 1 << 16  # changes in one answer (the rest: the next call)
 # collector stops tracking a tuple of ints once it has seen it, where a list per stored key was one
 # more object for every full pass to walk (docs/pool.md).
 Sums = tuple[int | None, ...]
+# In a per-slot array of client ids: none (an id is below it; its complement, ~id, negative)
+NO_CLIENT = (1 << 63) - 1
 _DIGEST = itemgetter(slice(None, DIGEST_BYTES))  # a key's namespace digest
 
 
@@ -83,14 +88,6 @@ HASHED = 3  # its xxh3s attached: loadable by every lease from now on
 ROW_SUMS_REMOVED = 4  # a block never hashed left: row-sum readers only ever had it
 _MEANING = {REMOVED: (False, False), STORED: (True, True), ROW_SUMS_STORED: (True, None),
             HASHED: (None, True), ROW_SUMS_REMOVED: (False, None)}
-
-
-class _TrackedDict(dict):  # type: ignore[type-arg]
-    """A dict Python's collector always tracks. The daemon freezes what lives when it starts
-    serving (its index's containers among them), and a frozen container is never walked again.
-    An empty plain dict is not tracked, so it is not frozen; the first tuple put in (a new one
-    is tracked) would make it tracked in the young generation, and every full pass would then
-    walk one entry per stored block: up to 0.1 s a pass at 300,000 blocks (docs/pool.md)."""
 
 
 class ChangeLog:
@@ -136,22 +133,15 @@ class ChangeLog:
 
 @dataclass
 class Lease:
-    """What one client holds: its namespaces, the slot bytes its blocks use, keys being stored
-    and pins."""
+    """What one client holds: its namespaces, the slot bytes its blocks use, and its pins (the
+    blocks it is storing: the index's `_storer`, by slot)."""
 
     namespaces: frozenset[bytes]
     entry_bytes: int
-    storing: set[bytes] = field(default_factory=set)
-    unasked: set[bytes] = field(default_factory=set)  # being stored, its plan asked no hashes
     pins: Counter[bytes] = field(default_factory=Counter)
     row_sum_reader: bool = False  # checks loads by row sums: loads blocks not yet hashed
     needs_xxh3: bool = True  # reads by xxh3 or keeps blocks below: stored blocks get hashed
     whole_changes: bool = False  # it changed how it reads: its next `changes` is the whole list
-
-    def held(self) -> dict[str, int]:
-        """What it holds now (the daemon's stats, per client)."""
-        return {"storing": len(self.storing), "pinned": sum(self.pins.values()),
-                "pinned_keys": len(self.pins)}
 
 
 class SharedBlockIndex:
@@ -160,12 +150,21 @@ class SharedBlockIndex:
     def __init__(self, num_slots: int, slot_bytes: int, policy: str) -> None:
         self.index = BlockIndex(None, num_slots, policy)
         self.slot_bytes = slot_bytes
-        self._sums: dict[bytes, Sums] = _TrackedDict()  # stored keys -> checksums at commit
-        # stored keys committed with row sums only -> (the committing client, their slot)
-        self._unhashed: dict[bytes, tuple[int, int]] = _TrackedDict()
-        # slot -> the key last placed in it (a commit by slots names keys so; checked there)
-        self._key_at: list[bytes | None] = [None] * num_slots
-        self._orphans: set[bytes] = set()  # of those, the ones nobody is going to hash
+        # What the index keeps of a block besides its key's slot, by that slot, in lists and
+        # arrays made with the index (the daemon freezes them, docs/pool.md): a commit by slots
+        # (a GPU writer's) reads and changes them a slot at a time, in C, and hashes no key; a
+        # key's other verbs find its slot in the BlockIndex. A slot's entries are reset when
+        # its store ends or its block leaves (evicted, discarded).
+        self._key_at: list[bytes | None] = [None] * num_slots  # the key last placed in it
+        self._sums_at: list[Sums | None] = [None] * num_slots  # a stored block's checksums
+        # The client storing into it; ~id where its plan asked no xxh3s (hash_later False).
+        self._storer = array("q", [NO_CLIENT]) * num_slots
+        # Stored by row sums only (its xxh3s not attached yet): the client that committed it;
+        # ~id where nobody is going to hash it (an orphan: its plan asked none, or the client
+        # left). A commit moves each slot's storer here as it is.
+        self._unhashed_by = array("q", [NO_CLIENT]) * num_slots
+        self._num_unhashed = 0
+        self._num_orphans = 0
         # the last request's victims of the requester's namespaces, hashed: their checksums
         self.evicted_sums: dict[bytes, Sums] = {}
         self._evicted_count = 0  # checksums in evicted_sums (bounded: MAX_EVICTED_SUMS)
@@ -175,12 +174,28 @@ class SharedBlockIndex:
     @property
     def unhashed(self) -> int:
         """Blocks stored with row sums only (their xxh3s not attached yet)."""
-        return len(self._unhashed)
+        return self._num_unhashed
 
     @property
     def orphans(self) -> int:
         """Of those, blocks nobody is going to hash (see module doc)."""
-        return len(self._orphans)
+        return self._num_orphans
+
+    @property
+    def storing(self) -> int:
+        """Blocks being stored."""
+        return int(np.count_nonzero(np.frombuffer(self._storer, np.int64) != NO_CLIENT))
+
+    def held(self) -> dict[int, dict[str, int]]:
+        """What each client holds now (the daemon's stats, per client), from one pass over
+        the slots however many clients there are."""
+        storer = np.frombuffer(self._storer, np.int64)
+        writers = storer[storer != NO_CLIENT]
+        ids, counts = np.unique(np.where(writers < 0, ~writers, writers), return_counts=True)
+        storing = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+        return {client: {"storing": storing.get(client, 0), "pinned": sum(lease.pins.values()),
+                         "pinned_keys": len(lease.pins)}
+                for client, lease in self.leases.items()}
 
     def open(self, client: int, namespaces: Sequence[bytes], entry_bytes: int) -> None:
         """A new client whose blocks, of the given namespaces, use `entry_bytes` of a slot. One
@@ -209,9 +224,14 @@ class SharedBlockIndex:
         lease = self.leases.pop(client, None)
         if lease is None:
             return
-        self._orphans.update(key for key, (writer, _) in self._unhashed.items()
-                             if writer == client)
-        self.index.complete_store(list(lease.storing), False)
+        unhashed_by = np.frombuffer(self._unhashed_by, np.int64)  # its arrays, in place
+        hashing = unhashed_by == client  # to be hashed by this client: nobody will now
+        self._num_orphans += int(np.count_nonzero(hashing))
+        unhashed_by[hashing] = ~client
+        storer = np.frombuffer(self._storer, np.int64)
+        storing = np.flatnonzero((storer == client) | (storer == ~client))
+        self.index.complete_store(list(map(self._key_at.__getitem__, storing.tolist())), False)
+        storer[storing] = NO_CLIENT
         pins = Counter(lease.pins)
         while pins:  # complete_load takes each key once per call
             once = list(pins)
@@ -224,19 +244,25 @@ class SharedBlockIndex:
     def lookup(self, client: int, keys: Sequence[bytes]) -> int:
         """The stored prefix of `keys` this client can check: to a lease that does not read row
         sums, a block not yet hashed ends it."""
-        keys = self._own(client, keys)
-        found = self.index.lookup_prefix(keys)
-        if not self._unhashed or found == 0:
+        slots = self.index.prefix_slots(self._own(client, keys))
+        found = len(slots)
+        if not self._num_unhashed or found == 0:
             return found
-        first = next((i for i, key in enumerate(keys[:found]) if key in self._unhashed), found)
-        if first == found or not self.leases[client].row_sum_reader:
-            return first
         # A row-sum reader checks a load by xxh3 when one of its blocks lacks row sums (a
-        # commit by xxh3 only): a block not yet hashed would fail that check, so it ends there.
-        ranks = len(self._sums[keys[first]]) // 2
-        if any(len(self._sums.get(key, ())) < 2 * ranks for key in keys[:found]):
-            return first
-        return found
+        # commit by xxh3 only, fewer checksums): a block not yet hashed would fail that check,
+        # so it ends there. Where every block has as many checksums, none does.
+        row_sum_reader = self.leases[client].row_sum_reader
+        if row_sum_reader:
+            lengths = list(map(len, map(self._sums_at.__getitem__, slots)))  # type: ignore
+            if min(lengths) == max(lengths):
+                return found
+        unhashed = list(map(NO_CLIENT.__ne__, map(self._unhashed_by.__getitem__, slots)))
+        if True not in unhashed:
+            return found
+        first = unhashed.index(True)
+        if row_sum_reader and min(lengths) == lengths[first]:
+            return found
+        return first
 
     def reads(self, client: int, row_sums: bool, needs_xxh3: bool) -> None:
         """How the client reads from now on: whether it checks its loads by row sums (blocks
@@ -275,33 +301,30 @@ class SharedBlockIndex:
 
     def _place(self, client: int, keys: list[bytes], hash_later: bool) -> StorePlan:
         lease = self.leases[client]
-        if lease.needs_xxh3 and self._orphans:
+        if lease.needs_xxh3 and self._num_orphans:
             # A lease that needs xxh3s names an orphan to store it hashed: replaced. A pinned
             # one drains and holds back every key after it (placed keys stay a prefix), so the
             # orphans after it stay, hits to row-sum readers, until a later store.
             orphans = []
-            for key in keys:
-                if key in self._orphans:
+            for key, slot in zip(keys, self.index.slots_held(keys), strict=True):
+                if slot is not None and self._unhashed_by[slot] < 0:
                     orphans.append(key)
                     if not self.index.is_idle(key):
                         break
             self.discard(client, orphans)  # a pinned one drains: placed once unpinned
         plan = replace(self.index.prepare_store(keys), hash_later=hash_later)
         namespaces = lease.namespaces
-        self._log_removed(plan.evicted)
-        for key, sums in zip(plan.evicted, self._drop_sums(plan.evicted), strict=True):
+        for key, sums in zip(plan.evicted, self._leave(plan.evicted, plan.evicted_slots),
+                             strict=True):
             # the requester's: what its tier below needs to check them
             if key[:DIGEST_BYTES] not in namespaces or not sums or sums[0] is None \
                     or self._evicted_count + len(sums) > MAX_EVICTED_SUMS:
                 continue  # another's, not hashed (never written below) or past the bound
             self.evicted_sums[key] = sums
             self._evicted_count += len(sums)
-        lease.storing.update(plan.keys)
-        key_at = self._key_at
-        for slot, key in zip(plan.slots, plan.keys, strict=True):
-            key_at[slot] = key
-        if not hash_later:
-            lease.unasked.update(plan.keys)
+        deque(map(self._key_at.__setitem__, plan.slots, plan.keys), maxlen=0)
+        writer = client if hash_later else ~client
+        deque(map(self._storer.__setitem__, plan.slots, repeat(writer)), maxlen=0)
         return plan
 
     def prepare_load(self, client: int, keys: Sequence[bytes]) -> tuple[list[int],
@@ -313,17 +336,22 @@ class SharedBlockIndex:
         lease = self.leases[client]
         if sum(lease.pins.values()) + len(keys) > MAX_PINS:
             raise ValueError(f"a client holds at most {MAX_PINS} pins: complete its loads first")
-        if not lease.row_sum_reader and not self._unhashed.keys().isdisjoint(keys):
-            return None
+        if not lease.row_sum_reader and self._num_unhashed:
+            unhashed_by = self._unhashed_by
+            if any(slot is not None and unhashed_by[slot] != NO_CLIENT
+                   for slot in self.index.slots_held(keys)):
+                return None
         try:
             plan = self.index.prepare_load(keys)  # checks every key before it pins any
         except ValueError:
             return None
         lease.pins.update(keys)
-        return plan.slots, list(map(self._sums.__getitem__, keys))
+        return plan.slots, list(map(self._sums_at.__getitem__, plan.slots))  # type: ignore
 
     def checksums(self, client: int, keys: Sequence[bytes]) -> list[Sums | None]:
-        answer = [self._sums.get(key) for key in self._own(client, keys)]
+        sums_at = self._sums_at  # a block being stored or gone has none
+        answer = [None if slot is None else sums_at[slot]
+                  for slot in self.index.slots_held(self._own(client, keys))]
         if sum(len(sums) for sums in answer if sums) > MAX_ANSWER_SUMS:
             raise ValueError(f"an answer of over {MAX_ANSWER_SUMS} checksums: ask for fewer "
                              f"keys at a time")
@@ -336,7 +364,6 @@ class SharedBlockIndex:
         """Commit (or fail) the client's stores; each ok key with its per-rank checksums. The
         whole commit is checked first (a key named twice, a flag that is not a bool, a missing
         checksum: ValueError, nothing changes); keys the client is not storing are ignored."""
-        lease = self.leases[client]
         keys = self._own(client, keys, unique=True)
         if not isinstance(flags, list | tuple) or not isinstance(sums, list | tuple) \
                 or not len(flags) == len(sums) == len(keys):
@@ -349,61 +376,64 @@ class SharedBlockIndex:
                     _check_sums(key, block_sums, unhashed=True)
                 elif ok is not False:
                     raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
-        storing = lease.storing
-        if storing.issuperset(keys):  # every key still being stored here
-            self._commit(client, keys, flags, sums, row_sums_only)
-        else:
-            held = [i for i, key in enumerate(keys) if key in storing]
-            self._commit(client, [keys[i] for i in held], [flags[i] for i in held],
-                         [sums[i] for i in held], row_sums_only)
+        slots = self.index.slots_held(keys)
+        storer, mine = self._storer, {client, ~client}
+        writers = [None if slot is None else storer[slot] for slot in slots]
+        if not mine.issuperset(writers):  # some key this client is not storing
+            held = [i for i, writer in enumerate(writers) if writer in mine]
+            keys, slots = [keys[i] for i in held], [slots[i] for i in held]
+            flags, sums = [flags[i] for i in held], [sums[i] for i in held]
+            writers = [writers[i] for i in held]
+        self._commit(client, keys, slots, writers, flags, sums,  # type: ignore[arg-type]
+                     row_sums_only)
 
     def commit_row_sums(self, client: int, slots: object, row_sums: object,
                         ranks: object) -> None:
         """A GPU writer's usual commit by the slots its plan gave (protocol.COMMIT_ROW_SUMS):
         every block stored ok, each by its `ranks` row sums only. Checked whole first (ValueError,
-        nothing changes); a slot that holds no block this client is storing there is ignored,
-        as complete_store ignores a key it is not storing. No key and no int a block to unpack
-        or check: the daemon applies every engine's commits on one thread."""
-        lease = self.leases[client]
+        nothing changes); a slot this client is not storing into is ignored, as complete_store
+        ignores a key it is not storing. The daemon applies every engine's commits on one
+        thread: this one reads no key and no int a block, and finds and changes the blocks'
+        state by slot, a pass in C over each of its lists (docs/pool.md)."""
         at, rows, ranks = read_row_sums_commit(slots, row_sums, ranks, self.index.num_slots)
-        keys = list(map(self._key_at.__getitem__, at))  # the key last placed in each slot
         nils = (None,) * ranks
-        sums = list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
-        holds = self.index.slots_held(keys)
-        if lease.storing.issuperset(keys) and holds == list(at):
-            self._commit(client, keys, [True] * len(keys), sums, True)  # the usual commit
-            return
-        held = [i for i, (key, slot, held_slot) in enumerate(zip(keys, at, holds, strict=True))
-                if key in lease.storing and held_slot == slot]
-        self._commit(client, [keys[i] for i in held], [True] * len(held),
-                     [sums[i] for i in held], True)
+        sums = list(zip(repeat(None), rows)) if ranks == 1 else \
+            list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
+        writers = list(map(self._storer.__getitem__, at))  # this client's: the key placed there
+        if not {client, ~client}.issuperset(writers):
+            held = [i for i, writer in enumerate(writers) if writer in (client, ~client)]
+            at, sums = [at[i] for i in held], [sums[i] for i in held]
+            writers = [writers[i] for i in held]
+        keys = list(map(self._key_at.__getitem__, at))
+        self._commit(client, keys, list(at), writers, [True] * len(keys), sums, True)
 
-    def _commit(self, client: int, keys: list[bytes], flags: Sequence[bool],
-                sums: Sequence[Sequence[int | None]], row_sums_only: bool) -> None:
-        """Apply a checked commit of keys this client is storing (`row_sums_only`: every key ok,
-        each by row sums only)."""
-        lease = self.leases[client]
-        slots = self.index.commit_checked(keys, flags)
-        lease.storing.difference_update(keys)
-        all_sums, unhashed = self._sums, self._unhashed
-        if row_sums_only and None not in slots:  # a GPU writer's usual commit, in bulk
-            all_sums.update(zip(keys, map(tuple, sums), strict=True))
-            unhashed.update(zip(keys, zip(repeat(client), slots), strict=True))
+    def _commit(self, client: int, keys: list[bytes], slots: list[int], writers: list[int],
+                flags: Sequence[bool], sums: Sequence[Sequence[int | None]],
+                row_sums_only: bool) -> None:
+        """Apply a checked commit of keys this client is storing into `slots`, each slot's
+        storer in `writers` (`row_sums_only`: every key ok, each by row sums only)."""
+        readable = self.index.commit_checked(keys, flags, slots)
+        deque(map(self._storer.__setitem__, slots, repeat(NO_CLIENT)), maxlen=0)
+        sums_at, unhashed_by = self._sums_at, self._unhashed_by
+        if row_sums_only and None not in readable:  # a GPU writer's usual commit, in bulk
+            deque(map(sums_at.__setitem__, slots, map(tuple, sums)), maxlen=0)
+            deque(map(unhashed_by.__setitem__, slots, writers), maxlen=0)
+            self._num_unhashed += len(slots)
+            self._num_orphans += writers.count(~client)
             committed, by_row_sums = [], keys
         else:
             committed, by_row_sums = [], []
-            for key, block_sums, slot in zip(keys, sums, slots, strict=True):
+            for key, block_sums, slot, writer in zip(keys, sums, readable, writers, strict=True):
                 if slot is None:  # failed, or removed while it was being stored
                     continue
-                all_sums[key] = tuple(block_sums)  # type: ignore[arg-type]
+                sums_at[slot] = tuple(block_sums)  # type: ignore[arg-type]
                 if block_sums[0] is None:  # readable to xxh3 readers once hashed
-                    unhashed[key] = (client, slot)
+                    unhashed_by[slot] = writer
+                    self._num_unhashed += 1
+                    self._num_orphans += writer < 0
                     by_row_sums.append(key)
                 else:
                     committed.append(key)
-        if lease.unasked:  # committed by row sums under a plan that asked no xxh3s: orphans
-            self._orphans.update(filter(lease.unasked.__contains__, by_row_sums))
-            lease.unasked.difference_update(keys)
         self.log.add(STORED, committed)
         self.log.add(ROW_SUMS_STORED, by_row_sums)
 
@@ -433,18 +463,23 @@ class SharedBlockIndex:
                 raise ValueError(f"key {brief(key)}: add_sums needs its xxh3s (or nils) and the "
                                  f"row sums it was committed with, got {brief(block_sums)}")
         applied, attached, dropped = [], [], []
-        for key, block_sums, slot in zip(keys, sums, slots, strict=True):
-            held = self._sums.get(key)
-            match = self._unhashed.get(key) == (client, slot) and held is not None and \
+        sums_at = self._sums_at
+        for key, block_sums, slot, held_slot in zip(keys, sums, slots,
+                                                    self.index.slots_held(keys), strict=True):
+            # the slot named is the key's, and the index's records are read by that slot only
+            held = sums_at[held_slot] if slot == held_slot else None  # type: ignore[index]
+            writer = self._unhashed_by[held_slot] if held is not None else None  # type: ignore
+            match = held is not None and writer in (client, ~client) and \
                 len(held) == len(block_sums) and \
                 held[len(held) // 2:] == tuple(block_sums[len(block_sums) // 2:])
             applied.append(match)
             if match and block_sums[0] is None:
                 dropped.append(key)
             elif match:
-                self._sums[key] = tuple(block_sums)
-                del self._unhashed[key]
-                self._orphans.discard(key)
+                sums_at[held_slot] = tuple(block_sums)  # type: ignore[index]
+                self._unhashed_by[held_slot] = NO_CLIENT  # type: ignore[index]
+                self._num_unhashed -= 1
+                self._num_orphans -= writer < 0  # type: ignore[operator]
                 attached.append(key)
         self.log.add(HASHED, attached)  # readable to every reader from now on
         if dropped:
@@ -472,26 +507,31 @@ class SharedBlockIndex:
         self.index.complete_load(held)
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
-        keys = self._own(client, keys)
-        self._log_removed(list(compress(keys, self.index.present(keys))))
+        keys = list(dict.fromkeys(self._own(client, keys)))  # a key named twice goes once
+        present = self.index.present(keys)  # committed: the blocks the index keeps more of
+        self._leave(list(compress(keys, present)),
+                    list(compress(self.index.slots_held(keys), present)))  # type: ignore
         self.index.discard(keys)
-        self._drop_sums(keys)
 
-    def _log_removed(self, keys: list[bytes]) -> None:
-        """Committed blocks leaving the index: to every lease, or to the row-sum readers only
-        where never hashed (no other lease ever had them)."""
-        if not self._unhashed:
+    def _leave(self, keys: list[bytes], slots: list[int]) -> list[Sums | None]:
+        """Committed blocks leaving the index, each in its slot: a removal in the change log (to
+        every lease, or to the row-sum readers only where never hashed: no other lease ever had
+        them), and what the index keeps of them forgotten; returns their checksums."""
+        sums_at = self._sums_at
+        sums = list(map(sums_at.__getitem__, slots))
+        deque(map(sums_at.__setitem__, slots, repeat(None)), maxlen=0)
+        if not self._num_unhashed:
             self.log.add(REMOVED, keys)
-            return
-        unhashed = list(map(self._unhashed.__contains__, keys))
+            return sums
+        unhashed_by = self._unhashed_by
+        writers = list(map(unhashed_by.__getitem__, slots))
+        unhashed = list(map(NO_CLIENT.__ne__, writers))
         self.log.add(REMOVED, list(compress(keys, map(not_, unhashed))))
         self.log.add(ROW_SUMS_REMOVED, list(compress(keys, unhashed)))
-
-    def _drop_sums(self, keys: Sequence[bytes]) -> list[Sums | None]:
-        """Forget the keys' checksums (they left the index); returns them."""
-        deque(map(self._unhashed.pop, keys, repeat(None)), maxlen=0)
-        self._orphans.difference_update(keys)
-        return list(map(self._sums.pop, keys, repeat(None)))
+        self._num_unhashed -= unhashed.count(True)
+        self._num_orphans -= sum(map((0).__gt__, writers))  # ~id: negative
+        deque(map(unhashed_by.__setitem__, slots, repeat(NO_CLIENT)), maxlen=0)
+        return sums
 
     def clear(self, client: int) -> None:
         """Drop every key of the client's namespaces (another model's keys stay)."""
@@ -519,9 +559,11 @@ class SharedBlockIndex:
         lease.whole_changes = False
         # A store places its keys last first (a prefix's tail is evicted first): reversed, each
         # store's blocks come in their order, so an event can carry a chain of them whole.
+        unhashed = set() if row_sums else set(map(self._key_at.__getitem__, np.flatnonzero(
+            np.frombuffer(self._unhashed_by, np.int64) != NO_CLIENT).tolist()))
         held = [[True, key] for key in reversed(self.index.held_keys())
                 if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)
-                and (row_sums or key not in self._unhashed)]
+                and key not in unhashed]
         return [self.log.next_seq, True, held]
 
     def _own(self, client: int, keys: Sequence[bytes], unique: bool = False) -> list[bytes]:
