@@ -166,6 +166,15 @@ class BlockIndex:
             raise ValueError(f"key {key.hex()} holds no slot")
         return slot
 
+    def readable_slots(self, keys: Sequence[bytes]) -> list[int | None]:
+        """The slot each key is stored and readable in (None: not stored, or being stored),
+        unchecked: the shared pool's index asks of keys it has checked."""
+        slots = list(map(self._slots.get, keys))
+        if self._storing.isdisjoint(keys):
+            return slots
+        storing = self._storing
+        return [None if key in storing else slot for key, slot in zip(keys, slots, strict=True)]
+
     def slots_held(self, keys: Sequence[bytes]) -> list[int | None]:
         """The slot each key holds (stored, being stored or draining; None: none), unchecked:
         the shared pool's index asks of keys it took from its own records."""
@@ -189,11 +198,20 @@ class BlockIndex:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of `keys` stored now; a key being stored ends it."""
-        return len(self.prefix_slots(keys))
+        keys = self._checked_keys(keys, unique=False)
+        slots, storing = self._slots, self._storing
+        length = 0
+        for key in keys:
+            if key not in slots or key in storing:
+                break
+            length += 1
+        self._stats.hits += length
+        self._stats.misses += len(keys) - length
+        return length
 
     def prefix_slots(self, keys: Sequence[bytes]) -> list[int]:
         """`lookup_prefix`, as the slots of that prefix (the shared pool's index reads its
-        blocks' state by slot)."""
+        blocks' state by slot), each key's looked up once."""
         keys = self._checked_keys(keys, unique=False)
         slots, storing = self._slots, self._storing
         found = []
@@ -281,8 +299,9 @@ class BlockIndex:
         (well-formed keys, each named once; one bool per key): the shared pool's index checks
         every commit whole before it calls this, and a GPU writer's commits are the daemon's
         busiest request. `slots`: the slot each key holds, from the caller's own records (the
-        shared pool's index keeps a block's state by slot), which saves a lookup a key in a
-        map of every stored key (a cache miss each while copies stream through the host)."""
+        shared pool's index keeps a block's state by slot), taken as they are (the caller
+        vouches for them), which saves a lookup a key in a map of every stored key (a cache
+        miss each while copies stream through the host)."""
         # Checked whole before anything changes; a commit of keys all stored ok and none
         # draining (the usual one) is then applied in passes in C. A key being stored is never
         # pinned (a load waits for its commit): each one stored ok is idle now.

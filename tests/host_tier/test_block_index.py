@@ -245,6 +245,8 @@ def test_prefix_slots_are_the_stored_prefix_and_count_as_a_lookup() -> None:
     assert index.prefix_slots(keys("C A")) == [plan.slots[2], plan.slots[0]]
     assert index.prefix_slots(keys("X A")) == []
     assert (index.stats.hits, index.stats.misses) == (4, 4)
+    assert index.readable_slots(keys("C D X A")) == [plan.slots[2], None, None, plan.slots[0]]
+    assert index.readable_slots(keys("A B")) == plan.slots[:2]
 
 
 def test_a_commit_by_the_callers_slots_takes_them_and_frees_a_draining_keys() -> None:

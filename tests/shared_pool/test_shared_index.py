@@ -83,7 +83,7 @@ def test_a_daemons_full_collections_walk_nothing_per_stored_block() -> None:
         assert len(gc.get_objects()) - tracked < 20  # not 1000
         young = {id(o) for o in gc.get_objects()}
         inner = index.index
-        # (what it keeps by slot besides: numpy arrays, no object the collector walks)
+        # (what it keeps by slot besides: arrays of int64s, no object the collector walks)
         containers = {"slots": inner._slots, "pins": inner._pins, "order": inner.policy.order,
                       "sums": index._sums_at, "key_at": index._key_at}
         assert {name: len(c) - list(c).count(None) >= 1000 for name, c in containers.items()} \

@@ -49,7 +49,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from itertools import compress, islice, repeat
+from itertools import compress, count, islice, repeat
 from operator import itemgetter, not_
 
 import numpy as np
@@ -134,7 +134,7 @@ class ChangeLog:
 @dataclass
 class Lease:
     """What one client holds: its namespaces, the slot bytes its blocks use, and its pins (the
-    blocks it is storing: the index's `_storer`, by slot)."""
+    blocks it is storing are kept by slot, in the index's `_storer`)."""
 
     namespaces: frozenset[bytes]
     entry_bytes: int
@@ -153,8 +153,9 @@ class SharedBlockIndex:
         # What the index keeps of a block besides its key's slot, by that slot, in lists and
         # arrays made with the index (the daemon freezes them, docs/pool.md): a commit by slots
         # (a GPU writer's) reads and changes them a slot at a time, in C, and hashes no key; a
-        # key's other verbs find its slot in the BlockIndex. A slot's entries are reset when
-        # its store ends or its block leaves (evicted, discarded).
+        # key's other verbs find its slot in the BlockIndex. A slot's entries but its key are
+        # reset when its store ends or its block leaves (evicted, discarded); its key is read
+        # only where those say the slot is in use.
         self._key_at: list[bytes | None] = [None] * num_slots  # the key last placed in it
         self._sums_at: list[Sums | None] = [None] * num_slots  # a stored block's checksums
         # The client storing into it; ~id where its plan asked no xxh3s (hash_later False).
@@ -224,10 +225,11 @@ class SharedBlockIndex:
         lease = self.leases.pop(client, None)
         if lease is None:
             return
-        unhashed_by = np.frombuffer(self._unhashed_by, np.int64)  # its arrays, in place
-        hashing = unhashed_by == client  # to be hashed by this client: nobody will now
-        self._num_orphans += int(np.count_nonzero(hashing))
-        unhashed_by[hashing] = ~client
+        if self._num_unhashed > self._num_orphans:  # some to be hashed by a client
+            unhashed_by = np.frombuffer(self._unhashed_by, np.int64)  # its array, in place
+            hashing = unhashed_by == client  # to be hashed by this client: nobody will now
+            self._num_orphans += int(np.count_nonzero(hashing))
+            unhashed_by[hashing] = ~client
         storer = np.frombuffer(self._storer, np.int64)
         storing = np.flatnonzero((storer == client) | (storer == ~client))
         self.index.complete_store(list(map(self._key_at.__getitem__, storing.tolist())), False)
@@ -252,15 +254,15 @@ class SharedBlockIndex:
         # commit by xxh3 only, fewer checksums): a block not yet hashed would fail that check,
         # so it ends there. Where every block has as many checksums, none does.
         row_sum_reader = self.leases[client].row_sum_reader
+        lengths = None
         if row_sum_reader:
             lengths = list(map(len, map(self._sums_at.__getitem__, slots)))  # type: ignore
             if min(lengths) == max(lengths):
                 return found
-        unhashed = list(map(NO_CLIENT.__ne__, map(self._unhashed_by.__getitem__, slots)))
-        if True not in unhashed:
-            return found
-        first = unhashed.index(True)
-        if row_sum_reader and min(lengths) == lengths[first]:
+        # the first block not yet hashed, found in C
+        unhashed = map(NO_CLIENT.__ne__, map(self._unhashed_by.__getitem__, slots))
+        first = next(compress(count(), unhashed), found)
+        if first == found or lengths is not None and min(lengths) == lengths[first]:
             return found
         return first
 
@@ -337,9 +339,10 @@ class SharedBlockIndex:
         if sum(lease.pins.values()) + len(keys) > MAX_PINS:
             raise ValueError(f"a client holds at most {MAX_PINS} pins: complete its loads first")
         if not lease.row_sum_reader and self._num_unhashed:
-            unhashed_by = self._unhashed_by
-            if any(slot is not None and unhashed_by[slot] != NO_CLIENT
-                   for slot in self.index.slots_held(keys)):
+            # a block not yet hashed, or one not stored (its load fails too): None
+            slots = self.index.slots_held(keys)
+            if None in slots or not all(map(NO_CLIENT.__eq__,
+                                            map(self._unhashed_by.__getitem__, slots))):
                 return None
         try:
             plan = self.index.prepare_load(keys)  # checks every key before it pins any
@@ -378,7 +381,8 @@ class SharedBlockIndex:
                     raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
         slots = self.index.slots_held(keys)
         storer, mine = self._storer, {client, ~client}
-        writers = [None if slot is None else storer[slot] for slot in slots]
+        writers = list(map(storer.__getitem__, slots)) if None not in slots else \
+            [None if slot is None else storer[slot] for slot in slots]
         if not mine.issuperset(writers):  # some key this client is not storing
             held = [i for i, writer in enumerate(writers) if writer in mine]
             keys, slots = [keys[i] for i in held], [slots[i] for i in held]
@@ -399,7 +403,8 @@ class SharedBlockIndex:
         nils = (None,) * ranks
         sums = list(zip(repeat(None), rows)) if ranks == 1 else \
             list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
-        writers = list(map(self._storer.__getitem__, at))  # this client's: the key placed there
+        # the client storing into each slot: this one, else the slot is skipped
+        writers = list(map(self._storer.__getitem__, at))
         if not {client, ~client}.issuperset(writers):
             held = [i for i, writer in enumerate(writers) if writer in (client, ~client)]
             at, sums = [at[i] for i in held], [sums[i] for i in held]
@@ -430,7 +435,7 @@ class SharedBlockIndex:
                 if block_sums[0] is None:  # readable to xxh3 readers once hashed
                     unhashed_by[slot] = writer
                     self._num_unhashed += 1
-                    self._num_orphans += writer < 0
+                    self._num_orphans += int(writer < 0)
                     by_row_sums.append(key)
                 else:
                     committed.append(key)
@@ -463,12 +468,13 @@ class SharedBlockIndex:
                 raise ValueError(f"key {brief(key)}: add_sums needs its xxh3s (or nils) and the "
                                  f"row sums it was committed with, got {brief(block_sums)}")
         applied, attached, dropped = [], [], []
-        sums_at = self._sums_at
+        sums_at, unhashed_by = self._sums_at, self._unhashed_by
         for key, block_sums, slot, held_slot in zip(keys, sums, slots,
                                                     self.index.slots_held(keys), strict=True):
-            # the slot named is the key's, and the index's records are read by that slot only
-            held = sums_at[held_slot] if slot == held_slot else None  # type: ignore[index]
-            writer = self._unhashed_by[held_slot] if held is not None else None  # type: ignore
+            if slot != held_slot or held_slot is None:  # the slot named is not the key's
+                applied.append(False)
+                continue
+            held, writer = sums_at[held_slot], unhashed_by[held_slot]
             match = held is not None and writer in (client, ~client) and \
                 len(held) == len(block_sums) and \
                 held[len(held) // 2:] == tuple(block_sums[len(block_sums) // 2:])
@@ -476,10 +482,10 @@ class SharedBlockIndex:
             if match and block_sums[0] is None:
                 dropped.append(key)
             elif match:
-                sums_at[held_slot] = tuple(block_sums)  # type: ignore[index]
-                self._unhashed_by[held_slot] = NO_CLIENT  # type: ignore[index]
+                sums_at[held_slot] = tuple(block_sums)
+                unhashed_by[held_slot] = NO_CLIENT
                 self._num_unhashed -= 1
-                self._num_orphans -= writer < 0  # type: ignore[operator]
+                self._num_orphans -= int(writer < 0)
                 attached.append(key)
         self.log.add(HASHED, attached)  # readable to every reader from now on
         if dropped:
@@ -508,9 +514,9 @@ class SharedBlockIndex:
 
     def discard(self, client: int, keys: Sequence[bytes]) -> None:
         keys = list(dict.fromkeys(self._own(client, keys)))  # a key named twice goes once
-        present = self.index.present(keys)  # committed: the blocks the index keeps more of
-        self._leave(list(compress(keys, present)),
-                    list(compress(self.index.slots_held(keys), present)))  # type: ignore
+        slots = self.index.readable_slots(keys)
+        stored = [slot is not None for slot in slots]  # committed: the index keeps more of them
+        self._leave(list(compress(keys, stored)), list(compress(slots, stored)))  # type: ignore
         self.index.discard(keys)
 
     def _leave(self, keys: list[bytes], slots: list[int]) -> list[Sums | None]:
@@ -529,7 +535,8 @@ class SharedBlockIndex:
         self.log.add(REMOVED, list(compress(keys, map(not_, unhashed))))
         self.log.add(ROW_SUMS_REMOVED, list(compress(keys, unhashed)))
         self._num_unhashed -= unhashed.count(True)
-        self._num_orphans -= sum(map((0).__gt__, writers))  # ~id: negative
+        if self._num_orphans:
+            self._num_orphans -= sum(map((0).__gt__, writers))  # ~id: negative
         deque(map(unhashed_by.__setitem__, slots, repeat(NO_CLIENT)), maxlen=0)
         return sums
 
