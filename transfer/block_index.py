@@ -149,9 +149,8 @@ class BlockIndex:
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """`contains` for each of `keys` (a shared pool's index answers in one round trip)."""
-        slots, storing = self._slots, self._storing
-        return [key in slots and key not in storing
-                for key in self._checked_keys(keys, unique=False)]
+        return [slot is not None
+                for slot in self.readable_slots(self._checked_keys(keys, unique=False))]
 
     def held_keys(self) -> list[bytes]:
         """Keys stored or being stored (draining keys excluded)."""

@@ -379,17 +379,9 @@ class SharedBlockIndex:
                     _check_sums(key, block_sums, unhashed=True)
                 elif ok is not False:
                     raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
-        slots = self.index.slots_held(keys)
-        storer, mine = self._storer, {client, ~client}
-        writers = list(map(storer.__getitem__, slots)) if None not in slots else \
-            [None if slot is None else storer[slot] for slot in slots]
-        if not mine.issuperset(writers):  # some key this client is not storing
-            held = [i for i, writer in enumerate(writers) if writer in mine]
-            keys, slots = [keys[i] for i in held], [slots[i] for i in held]
-            flags, sums = [flags[i] for i in held], [sums[i] for i in held]
-            writers = [writers[i] for i in held]
-        self._commit(client, keys, slots, writers, flags, sums,  # type: ignore[arg-type]
-                     row_sums_only)
+        slots, storer = self.index.slots_held(keys), self._storer
+        writers = [None if slot is None else storer[slot] for slot in slots]
+        self._commit(client, keys, slots, writers, flags, sums, row_sums_only)
 
     def commit_row_sums(self, client: int, slots: object, row_sums: object,
                         ranks: object) -> None:
@@ -403,20 +395,24 @@ class SharedBlockIndex:
         nils = (None,) * ranks
         sums = list(zip(repeat(None), rows)) if ranks == 1 else \
             list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
-        # the client storing into each slot: this one, else the slot is skipped
+        keys = list(map(self._key_at.__getitem__, at))  # the key last placed in each slot
         writers = list(map(self._storer.__getitem__, at))
-        if not {client, ~client}.issuperset(writers):
-            held = [i for i, writer in enumerate(writers) if writer in (client, ~client)]
-            at, sums = [at[i] for i in held], [sums[i] for i in held]
-            writers = [writers[i] for i in held]
-        keys = list(map(self._key_at.__getitem__, at))
-        self._commit(client, keys, list(at), writers, [True] * len(keys), sums, True)
+        self._commit(client, keys, list(at), writers, [True] * len(keys), sums,  # type: ignore
+                     True)
 
-    def _commit(self, client: int, keys: list[bytes], slots: list[int], writers: list[int],
-                flags: Sequence[bool], sums: Sequence[Sequence[int | None]],
-                row_sums_only: bool) -> None:
-        """Apply a checked commit of keys this client is storing into `slots`, each slot's
-        storer in `writers` (`row_sums_only`: every key ok, each by row sums only)."""
+    def _commit(self, client: int, keys: list[bytes], slots: list[int | None],
+                writers: list[int | None], flags: Sequence[bool],
+                sums: Sequence[Sequence[int | None]], row_sums_only: bool) -> None:
+        """Apply a checked commit of keys, the slots they hold and each slot's storer
+        (`row_sums_only`: every key ok, each by row sums only). A key whose slot this client is
+        not storing into (another client's, a free one, one whose store ended, or no slot) is
+        skipped."""
+        mine = {client, ~client}
+        if not mine.issuperset(writers):  # some slot this client is not storing into
+            held = [i for i, writer in enumerate(writers) if writer in mine]
+            keys, slots = [keys[i] for i in held], [slots[i] for i in held]
+            flags, sums = [flags[i] for i in held], [sums[i] for i in held]
+            writers = [writers[i] for i in held]
         readable = self.index.commit_checked(keys, flags, slots)
         deque(map(self._storer.__setitem__, slots, repeat(NO_CLIENT)), maxlen=0)
         sums_at, unhashed_by = self._sums_at, self._unhashed_by
