@@ -283,10 +283,11 @@ def _store_metadata(index: SharedIndex, namespace: Namespace, n: int, repeats: i
 def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
                  index: SharedIndex, keys: list[bytes], ids: list[int], slots: list[int],
                  job_base: int, committed: Callable[[], None] = lambda: None, *,
-                 hash_later: bool = True) -> None:
+                 hash_later: bool = True, copied: Callable[[], None] = lambda: None) -> None:
     """Store as an engine's worker does: WRITER_JOBS jobs (an engine stores one per request),
     each committed by its row sums as soon as it is copied, while the next ones copy;
-    `committed()` once every commit is applied (readable); with `hash_later` (the store's plan
+    `copied()` once the host sees the last job's copies end, `committed()` once every commit is
+    applied (readable); with `hash_later` (the store's plan
     says a lease needs them), each job's xxh3s, taken off the store's path from its commit on
     (each slot checked against its committed row sums first: SlotChecker.hash_checked), are
     attached after."""
@@ -297,13 +298,15 @@ def store_blocks(engine: TransferEngine, checker: SlotChecker, pool: HostPool,
     later, sums_of_rows, finished = [], [], {}
     for j, part in enumerate(parts):
         engine.wait([job_base + j])
+        if j == len(parts) - 1:
+            copied()
         finished.update((res.job_id, res) for res in engine.get_finished())
         result = finished.pop(job_base + j)
         if not result.ok or len(result.sums) != len(keys[part]):
             raise RuntimeError(f"store job {result.job_id} failed: {result}")
         index.complete_store(keys[part], True, [[None, r] for r in result.sums])
-        sums_of_rows.append(list(result.sums))
         if hash_later:
+            sums_of_rows.append(result.sums)
             later.append(checker.hash_checked(pool.slots, slots[part], keys[part],
                                               result.sums))
     # Every commit applied (readable): a client's requests are answered in order, so its

@@ -158,7 +158,8 @@ def test_gpus_adds_the_shared_pool_on_every_gpu_at_once(tmp_path: Path,
         assert engine["load_bytes_compared"] == 2 * rounds * 6 * block
         assert engine["store_bytes_compared"] == 2 * rounds * 6 * block
         assert (engine["load_mismatches"], engine["store_mismatches"]) == (0, 0)
-    assert set(row["ratios"]) == {"load", "store", "both", "both_load", "both_store"}
+    assert set(row["ratios"]) == {"load", "store", "both", "both_load", "both_store",
+                                  "store_copies"}
 
 
 def test_a_failure_on_every_gpu_is_reported_and_the_rest_still_written(

@@ -234,12 +234,13 @@ class SharedIndex:
         (transfer/slot_checker.py; its xxh3s nil where committed with row sums only): the
         daemon drops a client that commits one without."""
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
-        self._stats.stores += sum(flags)
-        self._stats.failed_stores += len(flags) - sum(flags)
+        stored = (len(keys) if ok else 0) if isinstance(ok, bool) else sum(flags)
+        self._stats.stores += stored
+        self._stats.failed_stores += len(flags) - stored
         slots = list(map(self._placed.pop, keys, repeat(None)))  # no longer being stored
         if not keys:
             return
-        if sums is not None and p.every_stored(flags) and None not in slots:
+        if sums is not None and (ok is True or p.every_stored(flags)) and None not in slots:
             by_slots = p.pack_row_sums_commit(slots, sums)  # type: ignore[arg-type]
             if by_slots is not None:  # a GPU writer's usual commit
                 self._notice(p.COMMIT_ROW_SUMS, *by_slots)
