@@ -164,10 +164,6 @@ class SharedBlockIndex:
         # ~id where nobody is going to hash it (an orphan: its plan asked none, or the client
         # left). A commit moves each slot's storer here as it is.
         self._unhashed_by = array("q", [NO_CLIENT]) * num_slots
-        # The same two arrays' memory as numpy arrays, for passes over a commit's slots at once
-        # (neither array is ever resized: each exports its buffer here).
-        self._storer_np = np.frombuffer(self._storer, np.int64)
-        self._unhashed_np = np.frombuffer(self._unhashed_by, np.int64)
         self._num_unhashed = 0
         self._num_orphans = 0
         # the last request's victims of the requester's namespaces, hashed: their checksums
@@ -189,12 +185,12 @@ class SharedBlockIndex:
     @property
     def storing(self) -> int:
         """Blocks being stored."""
-        return int(np.count_nonzero(self._storer_np != NO_CLIENT))
+        return int(np.count_nonzero(np.frombuffer(self._storer, np.int64) != NO_CLIENT))
 
     def held(self) -> dict[int, dict[str, int]]:
         """What each client holds now (the daemon's stats, per client), from one pass over
         the slots however many clients there are."""
-        storer = self._storer_np
+        storer = np.frombuffer(self._storer, np.int64)
         writers = storer[storer != NO_CLIENT]
         ids, counts = np.unique(np.where(writers < 0, ~writers, writers), return_counts=True)
         storing = dict(zip(ids.tolist(), counts.tolist(), strict=True))
@@ -230,11 +226,11 @@ class SharedBlockIndex:
         if lease is None:
             return
         if self._num_unhashed > self._num_orphans:  # some to be hashed by a client
-            unhashed_by = self._unhashed_np
+            unhashed_by = np.frombuffer(self._unhashed_by, np.int64)  # its array, in place
             hashing = unhashed_by == client  # to be hashed by this client: nobody will now
             self._num_orphans += int(np.count_nonzero(hashing))
             unhashed_by[hashing] = ~client
-        storer = self._storer_np
+        storer = np.frombuffer(self._storer, np.int64)
         storing = np.flatnonzero((storer == client) | (storer == ~client))
         self.index.complete_store(list(map(self._key_at.__getitem__, storing.tolist())), False)
         storer[storing] = NO_CLIENT
@@ -383,10 +379,9 @@ class SharedBlockIndex:
                     _check_sums(key, block_sums, unhashed=True)
                 elif ok is not False:
                     raise ValueError(f"key {brief(key)}: its ok flag is {brief(ok)}, not a bool")
-        at = np.fromiter((-1 if slot is None else slot for slot in self.index.slots_held(keys)),
-                         np.int64, len(keys))
-        writers = np.where(at >= 0, self._storer_np[at], NO_CLIENT)  # -1: no slot, no storer
-        self._commit(client, keys, at, writers, flags, sums, row_sums_only)
+        slots, storer = self.index.slots_held(keys), self._storer
+        writers = [None if slot is None else storer[slot] for slot in slots]
+        self._commit(client, keys, slots, writers, flags, sums, row_sums_only)
 
     def commit_row_sums(self, client: int, slots: object, row_sums: object,
                         ranks: object) -> None:
@@ -395,43 +390,41 @@ class SharedBlockIndex:
         nothing changes); a slot this client is not storing into is ignored, as complete_store
         ignores a key it is not storing. The daemon applies every engine's commits on one
         thread: this one reads no key and no int a block, and finds and changes the blocks'
-        state by slot, in numpy passes over the slots and C passes over its lists
-        (docs/pool.md)."""
+        state by slot, a pass in C over each of its lists (docs/pool.md)."""
         at, rows, ranks = read_row_sums_commit(slots, row_sums, ranks, self.index.num_slots)
         nils = (None,) * ranks
         sums = list(zip(repeat(None), rows)) if ranks == 1 else \
             list(map(nils.__add__, zip(*[iter(rows)] * ranks, strict=True)))
-        keys = list(map(self._key_at.__getitem__, at.tolist()))  # the key last placed in each
-        self._commit(client, keys, at, self._storer_np[at], [True] * len(keys),  # type: ignore
-                     sums, True)
+        keys = list(map(self._key_at.__getitem__, at))  # the key last placed in each slot
+        writers = list(map(self._storer.__getitem__, at))
+        self._commit(client, keys, list(at), writers, [True] * len(keys), sums,  # type: ignore
+                     True)
 
-    def _commit(self, client: int, keys: list[bytes], at: np.ndarray, writers: np.ndarray,
-                flags: Sequence[bool], sums: Sequence[Sequence[int | None]],
-                row_sums_only: bool) -> None:
-        """Apply a checked commit of keys, the slots they hold (`at`, -1: none) and each slot's
-        storer (`writers`, NO_CLIENT: none), as int64 arrays (`row_sums_only`: every key ok, each
-        by row sums only). A key whose slot this client is not storing into (another client's,
-        a free one, one whose store ended, or no slot) is skipped."""
-        mine = (writers == client) | (writers == ~client)
-        if not mine.all():  # some slot this client is not storing into
-            held = mine.tolist()
-            keys, flags, sums = (list(compress(part, held)) for part in (keys, flags, sums))
-            at, writers = at[mine], writers[mine]
-        slots = at.tolist()
+    def _commit(self, client: int, keys: list[bytes], slots: list[int | None],
+                writers: list[int | None], flags: Sequence[bool],
+                sums: Sequence[Sequence[int | None]], row_sums_only: bool) -> None:
+        """Apply a checked commit of keys, the slots they hold and each slot's storer
+        (`row_sums_only`: every key ok, each by row sums only). A key whose slot this client is
+        not storing into (another client's, a free one, one whose store ended, or no slot) is
+        skipped."""
+        mine = {client, ~client}
+        if not mine.issuperset(writers):  # some slot this client is not storing into
+            held = [i for i, writer in enumerate(writers) if writer in mine]
+            keys, slots = [keys[i] for i in held], [slots[i] for i in held]
+            flags, sums = [flags[i] for i in held], [sums[i] for i in held]
+            writers = [writers[i] for i in held]
         readable = self.index.commit_checked(keys, flags, slots)
-        self._storer_np[at] = NO_CLIENT
-        sums_at = self._sums_at
+        deque(map(self._storer.__setitem__, slots, repeat(NO_CLIENT)), maxlen=0)
+        sums_at, unhashed_by = self._sums_at, self._unhashed_by
         if row_sums_only and None not in readable:  # a GPU writer's usual commit, in bulk
             deque(map(sums_at.__setitem__, slots, map(tuple, sums)), maxlen=0)
-            self._unhashed_np[at] = writers
+            deque(map(unhashed_by.__setitem__, slots, writers), maxlen=0)
             self._num_unhashed += len(slots)
-            self._num_orphans += int(np.count_nonzero(writers == ~client))
+            self._num_orphans += writers.count(~client)
             committed, by_row_sums = [], keys
         else:
             committed, by_row_sums = [], []
-            unhashed_by = self._unhashed_by
-            for key, block_sums, slot, writer in zip(keys, sums, readable, writers.tolist(),
-                                                     strict=True):
+            for key, block_sums, slot, writer in zip(keys, sums, readable, writers, strict=True):
                 if slot is None:  # failed, or removed while it was being stored
                     continue
                 sums_at[slot] = tuple(block_sums)  # type: ignore[arg-type]
@@ -570,7 +563,7 @@ class SharedBlockIndex:
         # A store places its keys last first (a prefix's tail is evicted first): reversed, each
         # store's blocks come in their order, so an event can carry a chain of them whole.
         unhashed = set() if row_sums else set(map(self._key_at.__getitem__, np.flatnonzero(
-            self._unhashed_np != NO_CLIENT).tolist()))
+            np.frombuffer(self._unhashed_by, np.int64) != NO_CLIENT).tolist()))
         held = [[True, key] for key in reversed(self.index.held_keys())
                 if key[:DIGEST_BYTES] in namespaces and self.index.contains(key)
                 and key not in unhashed]

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from transfer.checksums import all_uint64
 
@@ -165,10 +164,10 @@ def pack_row_sums_commit(slots: Sequence[int], sums: Sequence[Sequence[int | Non
 
 
 def read_row_sums_commit(slots: object, row_sums: object, ranks: object, num_slots: int
-                         ) -> tuple[np.ndarray, list[int], int]:
-    """COMMIT_ROW_SUMS's arguments as (slots as an int64 array, row sums, ranks), checked whole:
-    ValueError naming what is wrong (a slot past the pool's `num_slots` or named twice, row sums
-    that are not `ranks` uint64s a slot)."""
+                         ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """COMMIT_ROW_SUMS's arguments as (slots, row sums, ranks), checked whole: ValueError naming
+    what is wrong (a slot past the pool's `num_slots` or named twice, row sums that are not
+    `ranks` uint64s a slot)."""
     if type(ranks) is not int or not 0 < ranks <= MAX_BLOCK_SUMS // 2:
         raise ValueError(f"a commit by row sums has 1 to {MAX_BLOCK_SUMS // 2} ranks a block, "
                          f"got {brief(ranks)}")
@@ -178,14 +177,13 @@ def read_row_sums_commit(slots: object, row_sums: object, ranks: object, num_slo
     if type(row_sums) is not bytes or len(row_sums) != 8 * ranks * count:
         raise ValueError(f"a commit by row sums of {count} slots at {ranks} ranks sends "
                          f"{8 * ranks * count} B of row sums, got {brief(row_sums)}")
-    at = np.frombuffer(slots, "<u4").astype(np.int64)
-    if (last := int(at.max())) >= num_slots:
-        raise ValueError(f"slot {last} is not one of the pool's {num_slots}")
-    ordered = np.sort(at)
-    if (ordered[1:] == ordered[:-1]).any():
-        twice = next(slot for slot, times in Counter(at.tolist()).items() if times > 1)
+    at = struct.unpack(f"<{count}I", slots)
+    if max(at) >= num_slots:
+        raise ValueError(f"slot {max(at)} is not one of the pool's {num_slots}")
+    if len(set(at)) != count:
+        twice = next(slot for slot, times in Counter(at).items() if times > 1)
         raise ValueError(f"slot {twice} is named twice in one commit")
-    return at, np.frombuffer(row_sums, "<u8").tolist(), ranks
+    return at, struct.unpack(f"<{count * ranks}Q", row_sums), ranks
 
 
 def every_stored(flags: Sequence[object]) -> bool:
