@@ -197,16 +197,7 @@ class BlockIndex:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest prefix of `keys` stored now; a key being stored ends it."""
-        keys = self._checked_keys(keys, unique=False)
-        slots, storing = self._slots, self._storing
-        length = 0
-        for key in keys:
-            if key not in slots or key in storing:
-                break
-            length += 1
-        self._stats.hits += length
-        self._stats.misses += len(keys) - length
-        return length
+        return len(self.prefix_slots(keys))
 
     def prefix_slots(self, keys: Sequence[bytes]) -> list[int]:
         """`lookup_prefix`, as the slots of that prefix (the shared pool's index reads its

@@ -77,7 +77,7 @@ from transfer.slot_checker import SlotChecker
 
 # One set of blocks of one engine, a round's work in each direction: on a GPU the one-GPU
 # bench's set (SHARED_MAX_BYTES), so a round's fixed costs (the first copy's issue, the wait
-# for the last commit: ~1 ms) weigh the same in both benches.
+# for the last commit: 1-1.5 ms) weigh the same in both benches.
 SET_MAX_BYTES = {"cuda": SHARED_MAX_BYTES["cuda"], "cpu": 16 << 20}
 DIRECTIONS = ("h2d", "d2h", "bidir")
 PHASES = ("load", "store", "both")
@@ -514,7 +514,7 @@ class _Engine:
             thread.join()
         if failures:
             raise failures[0]
-        if store is not None:
+        if phase == "store":  # the stores alone: their copies against the wait for the commit
             spans["copied"].append((spans["store"][-1][0], copied[0]))
         if load_plan is not None:
             bad = mismatched_blocks(self.rows, load_ids, loads)
@@ -574,7 +574,7 @@ def measure_engines(workers: GpuWorkers, block_bytes: int, n: int,
         engines.append({"gpu": gpu, **answer, **rates, "spans": spans})
     aggregate: dict[str, float] = {}
     for phase in PHASES:
-        for direction in ("load", "store", "copied"):  # copied: a store's copies, no commit
+        for direction in ("load", "store", "copied"):  # copied: the stores' copies, no commit
             if engines[0]["spans"][phase][direction]:
                 aggregate[f"{phase}_{direction}_gbps"] = statistics.median(
                     num * nbytes / _span([e["spans"][phase][direction][k] for e in engines]) / 1e9

@@ -234,7 +234,7 @@ class SharedIndex:
         (transfer/slot_checker.py; its xxh3s nil where committed with row sums only): the
         daemon drops a client that commits one without."""
         flags = [ok] * len(keys) if isinstance(ok, bool) else list(ok)
-        stored = (len(keys) if ok else 0) if isinstance(ok, bool) else sum(flags)
+        stored = sum(flags)
         self._stats.stores += stored
         self._stats.failed_stores += len(flags) - stored
         slots = list(map(self._placed.pop, keys, repeat(None)))  # no longer being stored
